@@ -157,6 +157,8 @@ class KVCompressor(_Validated):
     ``quantizer()``; compress/decompress are shared."""
 
     name: ClassVar[str]
+    # Parameter sets the shared test matrix and benchmarks run this method with.
+    examples: ClassVar[tuple[dict[str, Any], ...]] = ({},)
 
     def evictor(self) -> Optional[TokenEvictor]:
         return self if isinstance(self, TokenEvictor) else None
