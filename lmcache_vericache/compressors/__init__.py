@@ -22,6 +22,11 @@ _REGISTRY: dict[str, type[KVCompressor]] = {}
 _METHOD_MODULES = (
     "identity",
     "streamingllm",
+    "snapkv",
+    "h2o",
+    "pyramidkv",
+    "kvzip",
+    "poissoncomp",
     "int8",
 )
 
