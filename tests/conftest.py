@@ -1,0 +1,22 @@
+"""Shared fixtures: the real model (loaded once per session) and the tiny random Llama."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """``(model, tokenizer)``: SmolLM2-135M-Instruct, fp32, eval mode, CPU."""
+    from lmcache_vericache.models import load_model
+
+    return load_model("smollm2", dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """Random-weight 2-layer Llama (``tiny_llama(seed=0)``), fp32, eval mode."""
+    from lmcache_vericache.models import tiny_llama
+
+    return tiny_llama(seed=0)
