@@ -8,7 +8,7 @@ Storage-layer variant, honestly: the store runs no model forward, so it cannot r
 pass itself. In order of precedence it uses (1) ``ctx.scores``, when the engine computed
 reconstruction scores; (2) ``compress(queries=...)`` taken as reconstruction queries and aggregated by
 KVzip's max rule; (3) otherwise the key-norm proxy of ``scoring.py`` (a different, weaker signal:
-Spearman +0.40 with real attention on SmolLM2). Budgets are per KV head (KVzip's global head-adaptive
+Spearman +0.18 to +0.40 with real attention on SmolLM2). Budgets are per KV head (KVzip's global head-adaptive
 budget needs ragged heads, which the format does not hold).
 """
 
