@@ -1,0 +1,280 @@
+"""LMCache in-process adapter: the dual-tier store as a ``StoragePluginInterface`` backend.
+
+Switched on by LMCache YAML (``configs/lmcache-vericache.yaml``)::
+
+    storage_plugins: [vericache]
+    extra_config:
+      storage_plugin.vericache.module_path: lmcache_vericache.backends.lmcache_plugin
+      storage_plugin.vericache.class_name: VeriCacheBackend
+      vericache.capacity: disk              # every other ``vericache.<key>`` goes to
+      vericache.disk_path: /var/cache/kv    # DualTierStore.from_config(<key>=...)
+
+The backend serves LMCache **full** chunks only (LMCache restores exact KV); the compressed copy
+that ``put`` also makes is what the draft path reads through the same store
+(:attr:`VeriCacheBackend.store`).
+
+LMCache 0.5.6 logs and swallows exceptions raised by a plugin's constructor, leaving the engine
+without the backend. The constructor therefore logs its error at ERROR naming the offending key,
+records it, and :func:`check_backend` raises it again after start-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from typing import Any
+
+import torch
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.memory_management import MemoryFormat, MemoryObj
+from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
+
+from .config import StoreConfig
+from .store import DualTierStore
+from .tiers.base import TierError
+
+logger = logging.getLogger(__name__)
+
+#: Namespace of this package's own keys in LMCache's ``extra_config``.
+KEY_PREFIX = "vericache."
+
+# Constructor errors by class name, for check_backend (LMCache only logs them).
+_construction_errors: dict[str, BaseException] = {}
+
+
+def store_params(extra_config: Mapping[str, Any] | None, prefix: str = KEY_PREFIX) -> dict[str, Any]:
+    """The ``<prefix><key>`` entries of ``extra_config`` as ``{key: value}``."""
+    return {k[len(prefix) :]: v for k, v in (extra_config or {}).items() if k.startswith(prefix)}
+
+
+def build_store(params: dict[str, Any], *, prefix: str, where: str) -> DualTierStore:
+    """``DualTierStore.from_config(params)``, re-raising a bad key as ``ValueError`` whose message
+    names it as the user wrote it (``<prefix><key>``) and says where it came from."""
+    known = [f.name for f in dataclasses.fields(StoreConfig)]
+    unknown = sorted(set(params) - set(known))
+    if unknown:
+        valid = ", ".join(prefix + k for k in known)
+        raise ValueError(
+            f"{where}: unknown key {', '.join(repr(prefix + k) for k in unknown)}; valid keys: {valid}"
+        )
+    try:
+        return DualTierStore.from_config(params)
+    except (ValueError, TypeError, TierError) as e:
+        # The store names the bare key; say which setting of the user's it is.
+        raise ValueError(f"{where} ({prefix}<key>): {e}") from e
+
+
+class VeriCacheBackend(StoragePluginInterface):
+    """LMCache storage backend over a :class:`DualTierStore`.
+
+    Contract with LMCache 0.5.6 (see ``LMCACHE_NOTES.md``):
+
+    * Keys are ``CacheEngineKey.to_string()``; values are ``KV_2LTD`` chunks ``[2, L, T, H*D]``.
+    * Put is a broadcast after which LMCache drops its reference: each object is ref-counted up
+      until a single background writer has copied it into the store (the store keeps bytes), then
+      released. ``exists_in_put_tasks`` covers that window. Writes fail as logged errors, never
+      into LMCache's store path.
+    * Reads return objects allocated from ``local_cpu_backend`` holding one reference that the
+      caller owns. ``batched_get_non_blocking`` returns the hit *prefix* only and releases
+      everything else it allocated. Reads wait on the store's prefetch in a worker thread and
+      never block LMCache's event loop.
+    * Pinning: the capacity tiers (disk, Redis) never evict on their own, so ``pin`` is a
+      presence check and ``unpin`` a no-op.
+    * Thread-safety: all methods may be called from LMCache's engine thread and its storage loop
+      at once; shared state is the thread-safe store plus ``_inflight`` under ``_lock``.
+    """
+
+    def __init__(
+        self,
+        dst_device: str = "cpu",
+        config: Any = None,
+        metadata: Any = None,
+        local_cpu_backend: Any = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        super().__init__(
+            dst_device=dst_device,
+            config=config,
+            metadata=metadata,
+            local_cpu_backend=local_cpu_backend,
+            loop=loop,
+        )
+        name = type(self).__name__
+        try:
+            self.store = self._create_store(config, metadata)
+        except Exception as e:
+            _construction_errors[name] = e
+            logger.error("%s not created, LMCache will run without it: %s", name, e)
+            raise
+        _construction_errors.pop(name, None)
+        self._lock = threading.Lock()
+        self._inflight: dict[CacheEngineKey, Future] = {}
+        # One writer keeps puts in order and bounds the CPU spent compressing behind LMCache's back.
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="vericache-put")
+        self._closed = False
+        # Chunks written / failed, chunks served / missed, batched_get_non_blocking calls.
+        self.stats = {"put_chunks": 0, "put_errors": 0, "get_chunks": 0, "get_misses": 0, "async_gets": 0}
+
+    @staticmethod
+    def _create_store(config: Any, metadata: Any) -> DualTierStore:
+        if config is None or metadata is None:
+            raise ValueError("needs LMCache's config and metadata")
+        if metadata.use_mla or getattr(config, "use_layerwise", False) or metadata.get_num_groups() != 1:
+            raise ValueError("supports KV_2LTD chunks only (no MLA, no use_layerwise, one layer group)")
+        params = store_params(config.extra_config)
+        kv_heads = metadata.kv_shape[3]
+        if params.setdefault("num_kv_heads", kv_heads) != kv_heads:
+            raise ValueError(
+                f"extra_config '{KEY_PREFIX}num_kv_heads' = {params['num_kv_heads']!r} disagrees with the "
+                f"model's {kv_heads} KV heads"
+            )
+        return build_store(params, prefix=KEY_PREFIX, where="LMCache extra_config")
+
+    def __str__(self) -> str:
+        return type(self).__name__
+
+    # -- lookup ---------------------------------------------------------------------------------
+    def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
+        return not self._closed and self.store.contains(key.to_string())
+
+    def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
+        with self._lock:
+            return key in self._inflight
+
+    async def batched_async_contains(
+        self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False
+    ) -> int:
+        """Number of leading keys present (capacity-tier lookups may hit the network: run off-loop)."""
+        return await asyncio.get_running_loop().run_in_executor(None, self.batched_contains, keys, pin)
+
+    def pin(self, key: CacheEngineKey) -> bool:
+        return self.contains(key)
+
+    def unpin(self, key: CacheEngineKey) -> bool:
+        return self.contains(key)
+
+    # -- write path -----------------------------------------------------------------------------
+    def batched_submit_put_task(
+        self,
+        keys: Sequence[CacheEngineKey],
+        objs: list[MemoryObj],
+        transfer_spec: Any = None,
+        on_complete_callback: Callable[[CacheEngineKey], None] | None = None,
+    ) -> list[Future] | None:
+        if self._closed:
+            return None
+        futures = []
+        for key, obj in zip(keys, objs, strict=True):
+            if obj.get_memory_format() != MemoryFormat.KV_2LTD:
+                logger.error("%s: cannot store %s in format %s", self, key, obj.get_memory_format())
+                continue
+            if self.exists_in_put_tasks(key) or self.store.contains(key.to_string()):
+                continue  # (a racing duplicate put is harmless: same bytes, atomic tier writes)
+            with self._lock:
+                obj.ref_count_up()  # released by _write once the store has copied it
+                fut = self._writer.submit(self._write, key, obj, on_complete_callback)
+                self._inflight[key] = fut
+            futures.append(fut)
+        return futures
+
+    def _write(self, key: CacheEngineKey, obj: MemoryObj, on_complete: Callable | None) -> None:
+        try:
+            # No chunk offset reaches a backend in LMCache: positions are chunk-relative (start=0).
+            self.store.put(key.to_string(), obj.tensor)
+            ok = True
+        except Exception as e:  # logged by the store for tier errors; never raise into LMCache
+            ok = False
+            logger.error("%s: put of %s failed: %s", self, key, e)
+        finally:
+            obj.ref_count_down()
+            with self._lock:
+                self._inflight.pop(key, None)
+                self.stats["put_chunks" if ok else "put_errors"] += 1
+        if ok and on_complete is not None:
+            on_complete(key)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every put submitted so far is in the store (or failed, logged)."""
+        with self._lock:
+            pending = list(self._inflight.values())
+        wait_futures(pending, timeout)
+
+    # -- read path ------------------------------------------------------------------------------
+    def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
+        if self._closed:
+            return None
+        return self._to_memory_obj(key, self.store.get_full(key.to_string()))
+
+    async def batched_get_non_blocking(
+        self, lookup_id: str, keys: list[CacheEngineKey], transfer_spec: Any = None
+    ) -> list[MemoryObj]:
+        """Objects for the longest prefix of ``keys`` that could be read, in order. Reads of all
+        keys start at once (bounded by the store's read pool); after the first miss the rest are
+        cancelled and nothing after it is returned or kept."""
+        if self._closed or not keys:
+            return []
+        with self._lock:
+            self.stats["async_gets"] += 1
+        handle = self.store.prefetch([k.to_string() for k in keys])
+        out: list[MemoryObj] = []
+        try:
+            for i, key in enumerate(keys):
+                obj = self._to_memory_obj(key, await handle.wait_async(i))
+                if obj is None:
+                    break
+                out.append(obj)
+        finally:
+            handle.cancel()
+        return out
+
+    def _to_memory_obj(self, key: CacheEngineKey, full: torch.Tensor | None) -> MemoryObj | None:
+        """Copy a full chunk into a LocalCPU allocation (LMCache writes hits back into LocalCPU)."""
+        obj = None
+        if full is not None and self.local_cpu_backend is not None:
+            obj = self.local_cpu_backend.allocate(full.shape, full.dtype, MemoryFormat.KV_2LTD)
+            if obj is None:
+                logger.warning("%s: LocalCPU could not allocate %s for %s", self, tuple(full.shape), key)
+            else:
+                obj.tensor.copy_(full)
+        with self._lock:
+            self.stats["get_chunks" if obj is not None else "get_misses"] += 1
+        return obj
+
+    # -- management -----------------------------------------------------------------------------
+    def remove(self, key: CacheEngineKey, force: bool = True) -> bool:
+        # The store has no delete: chunks are immutable, shared, and the tiers bound themselves.
+        return False
+
+    def get_allocator_backend(self) -> Any:
+        return self.local_cpu_backend
+
+    def close(self) -> None:
+        """Finish queued writes, then close the store. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._writer.shutdown(wait=True)
+        self.store.close()
+
+
+def check_backend(engine_or_storage_manager: Any, cls: type = VeriCacheBackend) -> StoragePluginInterface:
+    """The ``cls`` backend of a started LMCache engine (or its ``StorageManager``).
+
+    LMCache swallows backend constructor errors; call this after ``post_init`` to fail loudly:
+    raises ``RuntimeError`` carrying the constructor's error (e.g. the bad config key) when the
+    backend is missing."""
+    manager = getattr(engine_or_storage_manager, "storage_manager", engine_or_storage_manager)
+    backends = getattr(manager, "storage_backends", None)
+    if backends is None:
+        raise RuntimeError(f"{engine_or_storage_manager!r} has no storage backends (engine not started?)")
+    for backend in backends.values():
+        if isinstance(backend, cls):
+            return backend
+    err = _construction_errors.get(cls.__name__)
+    cause = f": {type(err).__name__}: {err}" if err else " (is it listed in storage_plugins?)"
+    raise RuntimeError(f"LMCache started without the {cls.__name__} backend{cause}") from err
