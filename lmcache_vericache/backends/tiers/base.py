@@ -1,0 +1,90 @@
+"""The capacity-tier contract shared by memory, disk and remote tiers."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+Blob = bytes | bytearray
+
+
+class TierError(RuntimeError):
+    """A tier could not store a value (disk full, server unreachable, value too large, closed)."""
+
+
+class CapacityTier(ABC):
+    """A flat ``str -> bytes`` store for full and compressed chunks.
+
+    Contract every tier keeps:
+
+    * **Thread-safety**: every method may be called concurrently from any thread. No method needs
+      or touches an event loop; async callers run them in a thread pool.
+    * **Values are opaque**: integrity is checked by the readers (the chunk formats carry digests),
+      so a tier never interprets or repairs a value.
+    * ``put`` is atomic: a concurrent or later ``get`` sees the old value, the new one or a miss,
+      never a partial value, including when the write fails half way. On failure it raises
+      :class:`TierError` whose message names the tier, the key and the cause; nothing stored
+      earlier is lost. ``put`` does not keep a reference to a mutable ``data``.
+    * ``get`` returns a bytes-like object the caller owns (a ``bytearray`` where the tier can fill
+      one without an extra copy), or ``None`` for a **miss**: never stored, evicted, deleted, or the
+      tier is unreachable or failed to read (logged, rate limited). It never raises for I/O.
+    * ``contains`` is a cheap existence check, ``False`` when unreachable; ``True`` may still be
+      followed by a miss (eviction, another writer).
+    * ``delete`` is idempotent and silent when the key is absent or the tier unreachable.
+    * ``close`` is idempotent; ``put`` after ``close`` raises :class:`TierError`, reads miss.
+    """
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def put(self, key: str, data: Blob) -> None: ...
+
+    @abstractmethod
+    def get(self, key: str) -> Blob | None: ...
+
+    @abstractmethod
+    def contains(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def delete(self, key: str) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> CapacityTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ErrorLog:
+    """Logs read-side failures at ERROR at most once per ``interval`` seconds, counting the rest,
+    so a dead server turns into a few log lines instead of one per chunk."""
+
+    def __init__(self, logger: logging.Logger, interval: float = 5.0) -> None:
+        self._logger, self._interval = logger, interval
+        self._lock = threading.Lock()
+        self._last = -float("inf")
+        self._suppressed = 0
+        self.count = 0
+
+    def __call__(self, msg: str, *args: object) -> None:
+        with self._lock:
+            self.count += 1
+            now = time.monotonic()
+            if now - self._last < self._interval:
+                self._suppressed += 1
+                return
+            suppressed, self._suppressed, self._last = self._suppressed, 0, now
+        if suppressed:
+            msg += f" ({suppressed} similar errors suppressed)"
+        self._logger.error(msg, *args)
+
+
+def check_key(key: str) -> None:
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"tier keys are non-empty str, got {key!r}")

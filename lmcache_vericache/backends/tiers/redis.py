@@ -1,0 +1,106 @@
+"""A shared Redis or Valkey server (one value per key, RESP ``SET``/``GET``)."""
+
+from __future__ import annotations
+
+import logging
+
+import redis as redis_py
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from .base import Blob, CapacityTier, ErrorLog, TierError, check_key
+
+logger = logging.getLogger(__name__)
+
+
+class RedisTier(CapacityTier):
+    """Values in a Redis/Valkey server at ``url`` (``redis://host:port/db``), under ``prefix``.
+
+    Several processes and hosts may share one server: that is the remote prefix-cache case.
+    A ``SET`` is atomic, so readers never see partial values. A lost or refused connection makes
+    reads misses (logged, rate limited) and puts raise :class:`TierError`; each call reconnects,
+    so the tier recovers by itself when the server comes back.
+
+    Built on redis-py rather than LMCache's ``RedisConnector`` (``lmcache.v1.storage_backend.
+    connector.redis_connector``): that connector only moves LMCache ``MemoryObj``\\ s keyed by
+    ``CacheEngineKey`` and needs a ``LocalCPUBackend`` (engine config, model metadata, a pinned
+    allocator) plus an asyncio loop to run at all, while this tier stores self-describing,
+    variable-length byte strings under plain string keys. It also stores each chunk as two keys
+    (metadata, then bytes) written and read in two round trips and copies every value twice on
+    get; one ``SET``/``GET`` per value is atomic and one round trip.
+    """
+
+    name = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str = "vericache:",
+        socket_timeout: float = 5.0,
+        connect_timeout: float = 1.0,
+        max_connections: int = 32,
+    ) -> None:
+        try:
+            self._client = redis_py.Redis.from_url(
+                url,
+                socket_timeout=socket_timeout,
+                socket_connect_timeout=connect_timeout,
+                retry=Retry(NoBackoff(), 0),  # a dead server must cost one refused connect, not retries
+                max_connections=max_connections,
+            )
+        except ValueError as e:
+            raise TierError(f"redis tier: bad url {url!r}: {e}") from e
+        self.url, self.prefix = url, prefix
+        self._errors = ErrorLog(logger)
+        self._closed = False
+        try:
+            self._client.ping()
+        except (redis_py.RedisError, OSError) as e:
+            self._client.close()
+            raise TierError(f"redis tier: cannot reach {url}: {e}") from e
+
+    def _key(self, key: str) -> str:
+        check_key(key)
+        return self.prefix + key
+
+    def put(self, key: str, data: Blob) -> None:
+        k = self._key(key)
+        if self._closed:
+            raise TierError(f"redis tier {self.url}: put {key!r} after close")
+        try:
+            self._client.set(k, data)
+        except (redis_py.RedisError, OSError) as e:
+            raise TierError(f"redis tier {self.url}: SET {key!r} ({len(data)} bytes) failed: {e}") from e
+
+    def get(self, key: str) -> bytes | None:
+        k = self._key(key)
+        if self._closed:
+            return None
+        try:
+            return self._client.get(k)  # type: ignore[return-value]
+        except (redis_py.RedisError, OSError) as e:
+            self._errors("redis tier %s: GET %r failed: %s", self.url, key, e)
+            return None
+
+    def contains(self, key: str) -> bool:
+        k = self._key(key)
+        if self._closed:
+            return False
+        try:
+            return bool(self._client.exists(k))
+        except (redis_py.RedisError, OSError) as e:
+            self._errors("redis tier %s: EXISTS %r failed: %s", self.url, key, e)
+            return False
+
+    def delete(self, key: str) -> None:
+        k = self._key(key)
+        try:
+            self._client.delete(k)
+        except (redis_py.RedisError, OSError) as e:
+            self._errors("redis tier %s: DEL %r failed: %s", self.url, key, e)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._client.close()
