@@ -1,0 +1,104 @@
+"""Per-request state and statistics of the draft/verify loop."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from .horizon import Horizon
+from .runtime import KVCache
+from .swap import SwapIn
+
+
+@dataclass
+class RequestStats:
+    """``accepted[i]``: drafts accepted in round i (each round also emits one token of the target's
+    own, so a round emits ``accepted[i] + 1`` tokens at most). Seconds are wall time of the forwards
+    the request took part in (a batched forward counts for every request in it)."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    rounds: int = 0
+    accepted: list[int] = field(default_factory=list)
+    drafted: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    draft_steps: int = 0
+    verify_s: float = 0.0
+    swap_s: float = 0.0
+    swap_wait_s: float = 0.0
+    bytes_moved: int = 0
+    recomputed_chunks: int = 0
+    compressed_bytes: int = 0
+    full_prefix_bytes: int = 0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean tokens emitted per round, counting the target's own token (max L+1)."""
+        return sum(a + 1 for a in self.accepted) / max(1, len(self.accepted))
+
+    @property
+    def hidden_swap_fraction(self) -> float:
+        """Share of swap time that overlapped drafting (1.0 when nothing was swapped)."""
+        if self.swap_s <= 0:
+            return 1.0
+        return max(0.0, 1.0 - self.swap_wait_s / self.swap_s)
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.full_prefix_bytes / self.compressed_bytes if self.compressed_bytes else 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(mean_accepted=self.mean_accepted, hidden_swap_fraction=self.hidden_swap_fraction,
+                 compression_ratio=self.compression_ratio)
+        return d
+
+
+@dataclass
+class Result:
+    tokens: list[int]  # generated tokens (the prompt excluded)
+    stats: RequestStats
+    margins: list[float] | None = None  # reference decoding: top-1 minus top-2 logit per step
+
+
+@dataclass
+class Request:
+    """Invariant between rounds: both caches hold the exact-or-draft KV of ``tokens[:-1]``; the last
+    token (the target's own) is fed first in the next round. The full cache holds all positions; the
+    draft cache holds the compressed prefix (``prefix`` tokens) then positions ``prefix...``."""
+
+    idx: int
+    tokens: list[int]
+    n_prompt: int
+    max_new: int
+    full: KVCache
+    draft: KVCache | None = None
+    prefix: int = 0
+    keys: list[str] = field(default_factory=list)
+    gen: torch.Generator | None = None
+    horizon: Horizon | None = None
+    stats: RequestStats = field(default_factory=RequestStats)
+    # current round
+    limit: int = 0  # drafts wanted this round
+    drafts: list[int] = field(default_factory=list)
+    qs: list[torch.Tensor] = field(default_factory=list)
+    swap: SwapIn | None = None
+    round_draft_s: float = 0.0
+    done: bool = False
+    margins: list[float] = field(default_factory=list)
+
+    @property
+    def out(self) -> list[int]:
+        return self.tokens[self.n_prompt:]
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new - (len(self.tokens) - self.n_prompt)
+
+    @property
+    def pos(self) -> int:
+        """Position of the last token (the next one fed)."""
+        return len(self.tokens) - 1

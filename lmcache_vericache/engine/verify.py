@@ -1,0 +1,88 @@
+"""Sampling settings and the acceptance rule shared by every draft/verify level.
+
+Greedy: accept drafts while they equal the target's argmax; the first mismatch is replaced by the
+target's token, and if all match the target's next token is a bonus. Sampling (Leviathan et al. 2023,
+"Fast Inference from Transformers via Speculative Decoding"): accept draft x with probability
+min(1, p(x)/q(x)); on rejection sample from normalize(max(0, p - q)); on full acceptance sample the
+bonus from p. Temperature / top-k / top-p are applied identically to p and q, so emitted tokens follow
+the processed full-KV distribution exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """``temperature == 0`` means greedy; ``top_k == 0`` and ``top_p == 1`` disable those filters."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def probs(self, logits: Tensor) -> Tensor:
+        """Processed distribution ``[..., V]`` (float32) of ``logits``."""
+        x = logits.float() / self.temperature
+        if self.top_k and self.top_k < x.shape[-1]:
+            kth = x.topk(self.top_k, dim=-1).values[..., -1:]
+            x = x.masked_fill(x < kth, float("-inf"))
+        if self.top_p < 1:
+            srt, idx = x.sort(dim=-1, descending=True)
+            cum = srt.softmax(-1).cumsum(-1)
+            drop = cum - srt.softmax(-1) >= self.top_p  # keep the smallest prefix reaching top_p
+            x = x.scatter(-1, idx, srt.masked_fill(drop, float("-inf")))
+        return x.softmax(-1)
+
+    def pick(self, logits: Tensor, gen: torch.Generator | None) -> tuple[int, Tensor | None]:
+        """One token from ``logits [V]``; with sampling also its distribution (the q to record)."""
+        if self.greedy:
+            return int(logits.argmax()), None
+        p = self.probs(logits)
+        return int(torch.multinomial(p, 1, generator=gen)), p
+
+
+def accept(drafts: list[int], q: list[Tensor] | None, target_logits: Tensor, sampling: Sampling,
+           gen: torch.Generator | None) -> tuple[int, int]:
+    """Verify ``drafts`` (L tokens, proposal distributions ``q``) against ``target_logits [L+1, V]``
+    (row i predicts the token after draft i-1). Returns ``(n_accepted, next_token)``: the emitted
+    tokens are ``drafts[:n_accepted] + [next_token]``."""
+    n = len(drafts)
+    if target_logits.shape[0] != n + 1:
+        raise ValueError(f"need {n + 1} target rows for {n} drafts, got {target_logits.shape[0]}")
+    if sampling.greedy:
+        target = target_logits.argmax(-1).tolist()
+        k = 0
+        while k < n and drafts[k] == target[k]:
+            k += 1
+        return k, target[k]
+    if q is None or len(q) != n:
+        raise ValueError("sampling verification needs the draft distribution of every draft")
+    p = sampling.probs(target_logits)
+    for i, x in enumerate(drafts):
+        px, qx = float(p[i, x]), float(q[i][x])
+        # u < p/q  <=>  u*q < p; qx > 0 always holds for a token sampled from q.
+        if float(torch.rand((), generator=gen)) * qx < px:
+            continue
+        residual = (p[i] - q[i]).clamp_min_(0)
+        total = float(residual.sum())
+        # total == 0 only if p == q (then rejection has probability 0); guard float round-off.
+        dist = residual / total if total > 0 else p[i]
+        return i, int(torch.multinomial(dist, 1, generator=gen))
+    return n, int(torch.multinomial(p[n], 1, generator=gen))
