@@ -26,7 +26,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
 
 
-def _fmt_params(params: dict) -> str:
+def format_params(params: dict) -> str:
+    """``{"bits": 2}`` -> ``bits=2``, compact for tables."""
     return ",".join(f"{k}={v}" for k, v in params.items()) or "(defaults)"
 
 
@@ -73,10 +74,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"SmolLM2-135M fp32 KV of {path.name}: {args.tokens} tokens compressed in {CHUNK_SIZE}-token chunks, "
           f"last {args.window} tokens' queries over compressed + full window")
-    width = max(len("params"), *(len(_fmt_params(r["params"])) for r in rows))
+    width = max(len("params"), *(len(format_params(r["params"])) for r in rows))
     head = f"{'method':<14} {'params':<{width}} {'ratio':>6} {'kept':>5} {'K err':>7} {'V err':>7} {'attn err':>8}"
     print(head + "\n" + "-" * len(head))
     for r in rows:
-        print(f"{r['method']:<14} {_fmt_params(r['params']):<{width}} {r['ratio']:>6.2f} {r['kept']:>5.2f} "
+        print(f"{r['method']:<14} {format_params(r['params']):<{width}} {r['ratio']:>6.2f} {r['kept']:>5.2f} "
               f"{r['k_err']:>7.4f} {r['v_err']:>7.4f} {r['attn_err']:>8.4f}")
     return 0

@@ -1,0 +1,113 @@
+"""Compressor throughput on a realistic chunk: SmolLM2 KV of one 256-token LMCache chunk of a real file
+([2, 30, 256, 192]), fp32 and bf16.
+
+Per method and example parameter set: compression ratio, encode (``compress``) and decode
+(``decompress``) throughput in GB/s of full KV, medians over ``--reps``; and, in the same run, the
+yardstick: a plain ``clone()`` of the same chunk (GB/s of full KV, so the same unit). Goal for pure
+quantizers: encode and decode each >= 1 GB/s. Eviction methods get the chunk's observation-window
+queries (the 32 tokens after it), as in ``vericache compressors``.
+
+    .venv/bin/python benchmarks/compressors.py [--methods a,b] [--reps 7] [--dtypes fp32,bf16]
+
+Prints a table and writes benchmarks/results/compressors.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from lmcache_vericache import compressors
+from lmcache_vericache.cli.compressors import format_params
+from lmcache_vericache.data import prompt_ids, stdlib_source
+from lmcache_vericache.models import load_model, prefill_kv
+
+CHUNK, WINDOW, GOAL_GBPS = 256, 32, 1.0
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+OUT = Path(__file__).parent / "results" / "compressors.json"
+
+
+def median_s(fn, reps: int) -> float:
+    fn()  # warm-up: first-call allocations and lazy imports are not throughput
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--methods", help="comma-separated method names (default: all registered)")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--dtypes", default="fp32,bf16", help="comma-separated, from: fp32, bf16")
+    args = ap.parse_args()
+    names = compressors.available() if not args.methods else args.methods.split(",")
+    dtypes = args.dtypes.split(",")
+    bad = sorted(set(names) - set(compressors.available())) + sorted(set(dtypes) - set(DTYPES))
+    if bad or args.reps < 1:
+        raise SystemExit(f"unknown method/dtype {bad} or reps < 1; methods: {compressors.available()}")
+
+    torch.set_grad_enabled(False)
+    model, tok = load_model("smollm2")
+    kv_full, queries = prefill_kv(model, prompt_ids(tok, stdlib_source("argparse.py"), CHUNK + WINDOW), WINDOW)
+    heads = model.config.num_key_value_heads
+    del model
+
+    copy_gbps, rows = {}, []
+    for dname in dtypes:
+        kv = kv_full[:, :, :CHUNK].to(DTYPES[dname]).contiguous()
+        gb = kv.numel() * kv.element_size() / 1e9
+        copy_gbps[dname] = gb / median_s(kv.clone, args.reps)
+        for name in names:
+            for params in compressors._REGISTRY[name].examples:
+                comp = compressors.get(name, **params)
+                ckv = comp.compress(kv, heads, queries=queries)
+                enc = gb / median_s(partial(comp.compress, kv, heads, queries=queries), args.reps)
+                dec = gb / median_s(partial(comp.decompress, ckv), args.reps)
+                quant_only = comp.quantizer() is not None and comp.evictor() is None
+                rows.append({
+                    "dtype": dname, "method": name, "params": params, "ratio": ckv.ratio,
+                    "encode_gbps": enc, "decode_gbps": dec,
+                    "encode_vs_copy": enc / copy_gbps[dname], "decode_vs_copy": dec / copy_gbps[dname],
+                    "goal_met": (min(enc, dec) >= GOAL_GBPS) if quant_only else None,
+                })
+
+    width = max(len(format_params(r["params"])) for r in rows)
+    head = (f"{'dtype':<5} {'method':<12} {'params':<{width}} {'ratio':>6} {'enc GB/s':>8} {'dec GB/s':>8} "
+            f"{'enc/copy':>8} {'dec/copy':>8} {'goal':>4}")
+    print(f"chunk [2, 30, {CHUNK}, 192], median of {args.reps}; copy (clone) GB/s: "
+          + ", ".join(f"{d} {g:.2f}" for d, g in copy_gbps.items()))
+    print(head + "\n" + "-" * len(head))
+    for r in rows:
+        goal = "-" if r["goal_met"] is None else ("yes" if r["goal_met"] else "NO")
+        print(f"{r['dtype']:<5} {r['method']:<12} {format_params(r['params']):<{width}} {r['ratio']:>6.2f} "
+              f"{r['encode_gbps']:>8.3f} {r['decode_gbps']:>8.3f} {r['encode_vs_copy']:>8.3f} "
+              f"{r['decode_vs_copy']:>8.3f} {goal:>4}")
+    quant = [r for r in rows if r["goal_met"] is not None]
+    met = sorted({f"{r['dtype']} {r['method']}({format_params(r['params'])})" for r in quant if r["goal_met"]})
+    missed = sorted({f"{r['dtype']} {r['method']}({format_params(r['params'])})" for r in quant if not r["goal_met"]})
+    print(f"goal (quantizers encode and decode >= {GOAL_GBPS} GB/s): met by {len(quant) - len(missed)}/{len(quant)}; "
+          f"missed: {', '.join(missed) or 'none'}")
+
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps({
+        "benchmark": "compressors", "chunk_shape": [2, 30, CHUNK, 192], "reps": args.reps, "statistic": "median",
+        "machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                    "torch": torch.__version__, "platform": platform.platform()},
+        "copy_gbps": copy_gbps, "goal_gbps": GOAL_GBPS, "goal_met": met, "goal_missed": missed, "rows": rows,
+    }, indent=1))
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()
