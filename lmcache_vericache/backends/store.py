@@ -153,16 +153,23 @@ class DualTierStore:
         self._check_open()
         ckv_blob = to_bytes(self.compressor.compress(full, self.num_kv_heads, start=start, queries=queries))
         full_blob = encode_full(full)
+        self._put_or_raise(key + FULL_SUFFIX, full_blob, key)
         try:
-            self.capacity.put(key + FULL_SUFFIX, full_blob)
-            self.capacity.put(key + COMPRESSED_SUFFIX, ckv_blob)
-        except TierError as e:
-            self._count(put_errors=1)
-            logger.error("store put %r failed: %s", key, e)
+            self._put_or_raise(key + COMPRESSED_SUFFIX, ckv_blob, key)
+        except TierError:
+            self.capacity.delete(key + FULL_SUFFIX)  # all or nothing: no full chunk without its commit
             raise
         # Hot copy parsed from our own immutable bytes: never aliases the caller's tensor.
         self._hot.put(key, from_bytes(ckv_blob), len(ckv_blob))
         self._count(puts=1, bytes_written=len(full_blob) + len(ckv_blob))
+
+    def _put_or_raise(self, tier_key: str, blob: bytes, key: str) -> None:
+        try:
+            self.capacity.put(tier_key, blob)
+        except TierError as e:
+            self._count(put_errors=1)
+            logger.error("store put %r failed: %s", key, e)
+            raise
 
     # -- draft path -----------------------------------------------------------------------------
     def get_compressed(self, key: str) -> CompressedKV | None:

@@ -1,0 +1,233 @@
+"""DualTierStore: both paths on every capacity tier, prefetch semantics, configuration."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+
+from lmcache_vericache import compressors
+from lmcache_vericache.backends import DiskTier, DualTierStore, MemoryTier, StoreConfig
+from lmcache_vericache.backends.tiers.redis import RedisTier
+
+HEADS = 3
+
+
+class CountingDisk(DiskTier):
+    """A real disk tier that counts reads and the most reads in flight at once."""
+
+    def __init__(self, path, delay: float = 0.0, gate: threading.Event | None = None) -> None:
+        super().__init__(path)
+        self.delay, self.gate = delay, gate
+        self.gets = self.in_flight = self.max_in_flight = 0
+        self._mu = threading.Lock()
+
+    def get(self, key):
+        with self._mu:
+            self.gets += 1
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            if self.gate is not None:
+                assert self.gate.wait(10)
+            time.sleep(self.delay)
+            return super().get(key)
+        finally:
+            with self._mu:
+                self.in_flight -= 1
+
+
+@pytest.fixture(params=["memory", "disk", "redis"])
+def capacity(request, tmp_path):
+    if request.param == "memory":
+        return MemoryTier(64 << 20)
+    if request.param == "disk":
+        return DiskTier(tmp_path / "kv")
+    return RedisTier(request.getfixturevalue("redis_server").url, prefix=f"s-{uuid.uuid4().hex}:")
+
+
+def store_on(capacity, method: str = "int8", **kw) -> DualTierStore:
+    return DualTierStore(compressors.get(method), capacity, num_kv_heads=HEADS, **kw)
+
+
+def same_ckv(a, b) -> bool:
+    return a.method == b.method and a.shape == b.shape and a.start == b.start and a.buffers.keys() == b.buffers.keys() and all(
+        torch.equal(a.buffers[k], b.buffers[k]) for k in a.buffers
+    )
+
+
+@pytest.mark.parametrize("method", ["int8", "streamingllm"])
+def test_round_trip_on_every_tier(capacity, chunks, method):
+    with store_on(capacity, method) as store:
+        for i, kv in enumerate(chunks[:3]):
+            store.put(f"k{i}", kv, start=i * kv.shape[2])
+        expected = compressors.get(method).compress(chunks[1], HEADS, start=chunks[1].shape[2])
+        assert same_ckv(store.get_compressed("k1"), expected)
+        for i, kv in enumerate(chunks[:3]):
+            full = store.get_full(f"k{i}")
+            assert full.dtype == kv.dtype and torch.equal(full, kv)
+        assert store.get_full("nope") is None and store.get_compressed("nope") is None
+        assert store.contains("k0") and not store.contains("nope")
+        s = store.stats
+        assert (s.puts, s.full_hits, s.full_misses, s.compressed_hits, s.compressed_misses) == (3, 3, 1, 1, 1)
+        assert s.bytes_written > 3 * chunks[0].numel() * 2 and s.corrupt == 0
+
+
+def test_compressed_path_is_served_from_memory_without_io(tmp_path, chunks):
+    tier = CountingDisk(tmp_path)
+    with store_on(tier) as store:
+        for i, kv in enumerate(chunks):
+            store.put(f"k{i}", kv)
+        got = store.get_compressed_prefix([f"k{i}" for i in range(len(chunks))])
+        assert len(got) == len(chunks) and tier.gets == 0
+
+
+def test_second_store_fetches_compressed_from_capacity_and_keeps_it_hot(tmp_path, chunks):
+    with store_on(DiskTier(tmp_path)) as a:
+        a.put("k", chunks[0])
+        expected = a.get_compressed("k")
+    tier = CountingDisk(tmp_path)
+    with store_on(tier) as b:
+        assert same_ckv(b.get_compressed("k"), expected)
+        assert same_ckv(b.get_compressed("k"), expected)
+        assert tier.gets == 1 and b.stats.compressed_hits == 2
+
+
+def test_prefix_stops_at_first_miss(capacity, chunks):
+    with store_on(capacity) as store:
+        for k in ("a", "b", "d"):
+            store.put(k, chunks[0])
+        assert len(store.get_compressed_prefix(["a", "b", "c", "d"])) == 2
+        assert store.get_compressed_prefix(["c", "a"]) == []
+
+
+def test_hot_tier_is_bounded_and_evicted_chunks_come_back_from_capacity(tmp_path, chunks):
+    with store_on(DiskTier(tmp_path), hot_bytes=3000) as store:
+        for i, kv in enumerate(chunks):
+            store.put(f"k{i}", kv)
+        assert store._hot.nbytes <= 3000 and "k0" not in store._hot
+        assert store.get_compressed("k0") is not None and store.stats.bytes_read > 0
+
+
+def test_prefetch_returns_at_once_and_yields_chunks_when_read(tmp_path, chunks):
+    gate = threading.Event()
+    with store_on(CountingDisk(tmp_path, gate=gate)) as store:
+        for i, kv in enumerate(chunks):
+            store.put(f"k{i}", kv)
+        keys = [f"k{i}" for i in range(len(chunks))] + ["missing"]
+        t0 = time.perf_counter()
+        handle = store.prefetch(keys)
+        assert time.perf_counter() - t0 < 0.5  # reads are held by the gate: prefetch did not wait
+        assert not handle.ready(0) and not handle.done and len(handle) == len(keys)
+        with pytest.raises(TimeoutError):
+            handle.wait(0, timeout=0.05)
+        gate.set()
+        assert torch.equal(handle.wait(2, timeout=10), chunks[2])
+        out = handle.wait(timeout=10)
+        assert handle.done and all(torch.equal(o, c) for o, c in zip(out, chunks)) and out[-1] is None
+
+
+def test_wait_async_never_blocks_the_event_loop(tmp_path, chunks):
+    gate = threading.Event()
+    with store_on(CountingDisk(tmp_path, gate=gate)) as store:
+        for i, kv in enumerate(chunks):
+            store.put(f"k{i}", kv)
+
+        async def main():
+            ticks = 0
+
+            async def ticker():
+                nonlocal ticks
+                while True:
+                    ticks += 1
+                    await asyncio.sleep(0.005)
+
+            tick = asyncio.create_task(ticker())
+            handle = store.prefetch([f"k{i}" for i in range(len(chunks))])
+            asyncio.get_running_loop().call_later(0.2, gate.set)
+            first = await handle.wait_async(0)
+            out = await handle.wait_async()
+            tick.cancel()
+            return ticks, first, out
+
+        ticks, first, out = asyncio.run(main())
+        assert ticks >= 10  # the loop kept running for the 0.2 s the reads were held
+        assert torch.equal(first, chunks[0]) and all(torch.equal(o, c) for o, c in zip(out, chunks))
+
+
+def test_cancel_drops_reads_not_started(tmp_path, chunks):
+    gate = threading.Event()
+    tier = CountingDisk(tmp_path, gate=gate)
+    with store_on(tier, max_concurrent_reads=1) as store:
+        for i, kv in enumerate(chunks):
+            store.put(f"k{i}", kv)
+        handle = store.prefetch([f"k{i}" for i in range(len(chunks))])
+        time.sleep(0.05)  # let the single reader take the first key
+        handle.cancel()
+        gate.set()
+        out = handle.wait(timeout=10)
+        assert handle.done and all(o is None for o in out[1:])
+        assert tier.gets == 1 and store.stats.cancelled == len(chunks) - 1
+
+
+def test_concurrency_bound_holds_across_handles(tmp_path, chunks):
+    tier = CountingDisk(tmp_path, delay=0.03)
+    with store_on(tier, max_concurrent_reads=3) as store:
+        for i, kv in enumerate(chunks):
+            store.put(f"k{i}", kv)
+        keys = [f"k{i}" for i in range(len(chunks))]
+        handles = [store.prefetch(keys) for _ in range(3)]
+        for h in handles:
+            assert all(torch.equal(o, c) for o, c in zip(h.wait(timeout=10), chunks))
+        assert tier.max_in_flight == 3
+
+
+def test_closed_store_refuses_work_and_close_is_idempotent(tmp_path, chunks):
+    store = store_on(DiskTier(tmp_path))
+    store.put("k", chunks[0])
+    store.close()
+    store.close()
+    for call in (lambda: store.put("k2", chunks[0]), lambda: store.get_full("k"), lambda: store.prefetch(["k"])):
+        with pytest.raises(RuntimeError, match="closed"):
+            call()
+
+
+def test_from_config_builds_each_tier(tmp_path, redis_server, chunks):
+    base = {"compressor": "streamingllm", "compressor_params": {"keep_ratio": 0.5}, "num_kv_heads": HEADS}
+    for extra in (
+        {"capacity": "memory", "memory_bytes": 1 << 20},
+        {"capacity": "disk", "disk_path": str(tmp_path), "disk_fsync": True},
+        {"capacity": "redis", "redis_url": redis_server.url, "redis_prefix": f"cfg-{uuid.uuid4().hex}:"},
+    ):
+        with DualTierStore.from_config({**base, **extra, "hot_bytes": 1 << 20, "max_concurrent_reads": 2}) as store:
+            store.put("k", chunks[0])
+            assert torch.equal(store.get_full("k"), chunks[0])
+            assert store.get_compressed("k").params["keep_ratio"] == 0.5 and store.max_concurrent_reads == 2
+
+
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        ({"dualtier.disk_path": "/x", "bogus": 1}, r"unknown store config key\(s\) \['bogus', 'dualtier.disk_path'\]"),
+        ({"num_kv_heads": "3"}, "num_kv_heads must be int"),
+        ({"num_kv_heads": 0}, "num_kv_heads must be > 0"),
+        ({"hot_bytes": True}, "hot_bytes must be int"),
+        ({"capacity": "tape"}, "capacity must be one of"),
+        ({"capacity": "redis"}, "needs redis_url"),
+        ({"compressor": "nope"}, "unknown compressor 'nope'"),
+        ({"compressor_params": {"bits": 3}}, "has no parameter"),
+    ],
+)
+def test_config_errors_name_the_problem(tmp_path, bad, message):
+    cfg = {"compressor": "int8", "num_kv_heads": HEADS, "disk_path": str(tmp_path), **bad}
+    with pytest.raises(ValueError, match=message):
+        StoreConfig.from_dict(cfg)
+
+
+def test_config_requires_compressor_and_heads():
+    with pytest.raises(ValueError, match=r"missing store config key\(s\) \['compressor', 'num_kv_heads'\]"):
+        StoreConfig.from_dict({"capacity": "memory"})
