@@ -168,7 +168,7 @@ def prefill_kv(model, input_ids: torch.Tensor, window: int = 0) -> tuple[torch.T
         # Recompute q for the window only from the attention's own inputs: exact, and far cheaper
         # than keeping all T queries.
         def hook(attn, args, kwargs):
-            x = (kwargs.get("hidden_states", args[0] if args else None))[:, -window:]
+            x = (kwargs["hidden_states"] if "hidden_states" in kwargs else args[0])[:, -window:]
             cos, sin = (t[:, -window:] for t in kwargs["position_embeddings"])
             q = attn.q_proj(x).view(1, window, -1, attn.head_dim).transpose(1, 2)
             if getattr(attn, "q_norm", None) is not None:  # Qwen3-style per-head norm before RoPE
@@ -179,7 +179,8 @@ def prefill_kv(model, input_ids: torch.Tensor, window: int = 0) -> tuple[torch.T
     handles = [layer.self_attn.register_forward_pre_hook(capture(i), with_kwargs=True)
                for i, layer in enumerate(layers)] if window else []
     try:
-        out = model(input_ids=ids.to(model.device), use_cache=True)
+        # logits_to_keep=1: full [T, vocab] logits would cost more memory than the KV itself
+        out = model(input_ids=ids.to(model.device), use_cache=True, logits_to_keep=1)
     finally:
         for h in handles:
             h.remove()
