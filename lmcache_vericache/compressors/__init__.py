@@ -28,6 +28,12 @@ _METHOD_MODULES = (
     "kvzip",
     "poissoncomp",
     "int8",
+    "int4",
+    "fp8",
+    "kivi",
+    "turboquant",
+    "rotatekv",
+    "compose",
 )
 
 
