@@ -36,7 +36,6 @@ from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from .config import StoreConfig
 from .store import DualTierStore
-from .tiers.base import TierError
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +51,9 @@ def store_params(extra_config: Mapping[str, Any] | None, prefix: str = KEY_PREFI
     return {k[len(prefix) :]: v for k, v in (extra_config or {}).items() if k.startswith(prefix)}
 
 
-def build_store(params: dict[str, Any], *, prefix: str, where: str) -> DualTierStore:
-    """``DualTierStore.from_config(params)``, re-raising a bad key as ``ValueError`` whose message
-    names it as the user wrote it (``<prefix><key>``) and says where it came from."""
+def store_config(params: dict[str, Any], *, prefix: str, where: str) -> StoreConfig:
+    """Validated store settings (``DualTierStore.from_config`` keys). A bad key raises
+    ``ValueError`` naming it as the user wrote it (``<prefix><key>``) and saying where it was."""
     known = [f.name for f in dataclasses.fields(StoreConfig)]
     unknown = sorted(set(params) - set(known))
     if unknown:
@@ -63,10 +62,10 @@ def build_store(params: dict[str, Any], *, prefix: str, where: str) -> DualTierS
             f"{where}: unknown key {', '.join(repr(prefix + k) for k in unknown)}; valid keys: {valid}"
         )
     try:
-        return DualTierStore.from_config(params)
-    except (ValueError, TypeError, TierError) as e:
-        # The store names the bare key; say which setting of the user's it is.
-        raise ValueError(f"{where} ({prefix}<key>): {e}") from e
+        return StoreConfig.from_dict(params)
+    except (ValueError, TypeError) as e:
+        # StoreConfig names the bare key; say which of the user's settings it is.
+        raise ValueError(f"{where} ({prefix}<key>): {e}" if prefix else f"{where}: {e}") from e
 
 
 class VeriCacheBackend(StoragePluginInterface):
@@ -133,7 +132,7 @@ class VeriCacheBackend(StoragePluginInterface):
                 f"extra_config '{KEY_PREFIX}num_kv_heads' = {params['num_kv_heads']!r} disagrees with the "
                 f"model's {kv_heads} KV heads"
             )
-        return build_store(params, prefix=KEY_PREFIX, where="LMCache extra_config")
+        return store_config(params, prefix=KEY_PREFIX, where="LMCache extra_config").build()
 
     def __str__(self) -> str:
         return type(self).__name__
