@@ -58,7 +58,10 @@ class KIVI(KVCompressor, KVQuantizer):
     def decode(self, buffers, shape, dtype):
         h, n, d = shape
         n_k, n_v = self.split(n)
+        k, v = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
         g = (h, n_k // self.group_size, self.group_size, d)
-        k = dequantize(buffers["kq"], buffers["kmin"], buffers["kscale"], self.bits, g, dtype).view(h, n_k, d)
-        v = decode_per_token(buffers, "v", self.bits, self.group_size, (h, n_v, d), dtype)
-        return torch.cat([k, buffers["kr"].to(dtype)], 1), torch.cat([v, buffers["vr"].to(dtype)], 1)
+        # Written in place into the outputs: a concatenation would copy everything once more.
+        dequantize(buffers["kq"], buffers["kmin"], buffers["kscale"], self.bits, g, dtype, out=k[:, :n_k].view(g))
+        decode_per_token(buffers, "v", self.bits, self.group_size, (h, n_v, d), dtype, out=v[:, :n_v])
+        k[:, n_k:], v[:, n_v:] = buffers["kr"], buffers["vr"]
+        return k, v

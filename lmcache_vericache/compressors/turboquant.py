@@ -76,14 +76,14 @@ def _encode(x: torch.Tensor, bits: int, seed: int) -> tuple[torch.Tensor, torch.
     # Nearest centroid by table lookup on the fp16 bit pattern (bucketize is ~15x slower on CPU).
     # Rounding to fp16 can only flip a coordinate within half an fp16 ulp of a decision boundary,
     # where both centroids are equally near.
-    idx = y.to(torch.float16).view(torch.int16).reshape(-1).long() & 0xFFFF
+    idx = y.to(torch.float16).view(torch.uint16).reshape(-1).int()
     codes = _codebook(bits, d)[1].index_select(0, idx)
     return pack(codes, bits), norm.to(torch.float16)
 
 
 def _decode(q: torch.Tensor, norm: torch.Tensor, bits: int, seed: int, shape, dtype) -> torch.Tensor:
     d = shape[-1]
-    codes = unpack(q, bits, shape[0] * shape[1] * d).long()
+    codes = unpack(q, bits, shape[0] * shape[1] * d).int()
     y = _codebook(bits, d)[0].index_select(0, codes).view(shape)
     return (y @ rotation(d, seed)).mul_(norm.float()).to(dtype)
 
