@@ -3,7 +3,8 @@
 
 Per method and example parameter set: compression ratio, encode (``compress``) and decode
 (``decompress``) throughput in GB/s of full KV, medians over ``--reps``; and, in the same run, the
-yardstick: a plain ``clone()`` of the same chunk (GB/s of full KV, so the same unit). Goal for pure
+yardstick: a plain ``clone()`` of the same chunk (GB/s of full KV, so the same unit), timed interleaved
+with each method so that both see the same load on a shared machine. Goal for pure
 quantizers: encode and decode each >= 1 GB/s. Eviction methods get the chunk's observation-window
 queries (the 32 tokens after it), as in ``vericache compressors``.
 
@@ -35,14 +36,18 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 OUT = Path(__file__).parent / "results" / "compressors.json"
 
 
-def median_s(fn, reps: int) -> float:
-    fn()  # warm-up: first-call allocations and lazy imports are not throughput
-    times = []
+def median_s(fns, reps: int) -> list[float]:
+    """Median seconds of each of ``fns``, run interleaved rep by rep: the machine is shared, so the
+    yardstick runs in the same moments as the method it is compared with."""
+    for fn in fns:
+        fn()  # warm-up: first-call allocations and lazy imports are not throughput
+    times = [[] for _ in fns]
     for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        for fn, ts in zip(fns, times):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+    return [statistics.median(ts) for ts in times]
 
 
 def main() -> None:
@@ -63,29 +68,34 @@ def main() -> None:
     heads = model.config.num_key_value_heads
     del model
 
-    copy_gbps, rows = {}, []
+    load_before = os.getloadavg()[0]  # the machine is shared: say how busy it was
+    copies, rows = {}, []
     for dname in dtypes:
         kv = kv_full[:, :, :CHUNK].to(DTYPES[dname]).contiguous()
         gb = kv.numel() * kv.element_size() / 1e9
-        copy_gbps[dname] = gb / median_s(kv.clone, args.reps)
         for name in names:
             for params in compressors._REGISTRY[name].examples:
                 comp = compressors.get(name, **params)
                 ckv = comp.compress(kv, heads, queries=queries)
-                enc = gb / median_s(partial(comp.compress, kv, heads, queries=queries), args.reps)
-                dec = gb / median_s(partial(comp.decompress, ckv), args.reps)
+                copy, enc, dec = (gb / t for t in median_s(
+                    [kv.clone, partial(comp.compress, kv, heads, queries=queries), partial(comp.decompress, ckv)],
+                    args.reps))
+                copies.setdefault(dname, []).append(copy)
                 quant_only = comp.quantizer() is not None and comp.evictor() is None
                 rows.append({
                     "dtype": dname, "method": name, "params": params, "ratio": ckv.ratio,
-                    "encode_gbps": enc, "decode_gbps": dec,
-                    "encode_vs_copy": enc / copy_gbps[dname], "decode_vs_copy": dec / copy_gbps[dname],
+                    "encode_gbps": enc, "decode_gbps": dec, "copy_gbps": copy,
+                    "encode_vs_copy": enc / copy, "decode_vs_copy": dec / copy,
                     "goal_met": (min(enc, dec) >= GOAL_GBPS) if quant_only else None,
                 })
+    copy_gbps = {d: statistics.median(c) for d, c in copies.items()}
 
     width = max(len(format_params(r["params"])) for r in rows)
     head = (f"{'dtype':<5} {'method':<12} {'params':<{width}} {'ratio':>6} {'enc GB/s':>8} {'dec GB/s':>8} "
             f"{'enc/copy':>8} {'dec/copy':>8} {'goal':>4}")
-    print(f"chunk [2, 30, {CHUNK}, 192], median of {args.reps}; copy (clone) GB/s: "
+    load = (load_before, os.getloadavg()[0])
+    print(f"chunk [2, 30, {CHUNK}, 192], median of {args.reps}, {torch.get_num_threads()} threads, load average "
+          f"{load[0]:.1f} -> {load[1]:.1f} on {os.cpu_count()} CPUs; copy (clone) GB/s, median over rows: "
           + ", ".join(f"{d} {g:.2f}" for d, g in copy_gbps.items()))
     print(head + "\n" + "-" * len(head))
     for r in rows:
@@ -103,7 +113,7 @@ def main() -> None:
     OUT.write_text(json.dumps({
         "benchmark": "compressors", "chunk_shape": [2, 30, CHUNK, 192], "reps": args.reps, "statistic": "median",
         "machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "torch": torch.__version__, "platform": platform.platform()},
+                    "torch": torch.__version__, "platform": platform.platform(), "load_average": load},
         "copy_gbps": copy_gbps, "goal_gbps": GOAL_GBPS, "goal_met": met, "goal_missed": missed, "rows": rows,
     }, indent=1))
     print(f"wrote {OUT}")
