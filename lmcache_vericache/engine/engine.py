@@ -26,7 +26,7 @@ from ..compressors import KVCompressor
 from .horizon import DraftLen, Horizon, check_draft_len
 from .proposer import NgramProposer
 from .request import Request, Result
-from .runtime import Runtime, Segment
+from .runtime import KVCache, Runtime, Segment
 from .swap import FileSource, MemorySource, SwapIn, chunk_keys
 from .verify import Sampling, accept
 
@@ -121,16 +121,25 @@ class VeriCacheEngine:
         if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new!r}")
         batch = _as_batch(prompts, self.rt.vocab_size)
-        reqs = []
+        reqs: list[Request] = []
+        done: dict[tuple[int, ...], tuple[Request, Tensor]] = {}  # identical prompts share one prefill
         for i, ids in enumerate(batch):
             cap = len(ids) + max_new + self.max_draft_len + 2
             gen = torch.Generator().manual_seed(seed + i)
             r = Request(i, list(ids), len(ids), max_new, self.rt.new_cache(cap), gen=gen)
             r.stats.prompt_tokens = len(ids)
             t0 = time.perf_counter()
-            logits, queries = self._prefill(r)
-            if draft:
-                self._build_draft(r, queries)
+            if tuple(ids) in done:
+                twin, logits = done[tuple(ids)]
+                r.full = _clone(twin.full)
+                r.draft = _clone(twin.draft) if twin.draft is not None else None
+                r.prefix, r.keys = twin.prefix, twin.keys
+                r.stats.compressed_bytes, r.stats.full_prefix_bytes = twin.stats.compressed_bytes, twin.stats.full_prefix_bytes
+            else:
+                logits, queries = self._prefill(r)
+                if draft:
+                    self._build_draft(r, queries)
+                done[tuple(ids)] = (r, logits)  # nothing decodes before _start returns: r stays pristine
             r.stats.prefill_s = time.perf_counter() - t0
             self._emit(r, [self._pick(r, logits, sampling)])
             reqs.append(r)
@@ -303,6 +312,10 @@ class VeriCacheEngine:
         r.stats.new_tokens = len(r.out)
         if r.remaining <= 0:
             r.done = True
+
+
+def _clone(c: KVCache) -> KVCache:
+    return KVCache(c.k.clone(), c.v.clone(), list(c.base), c.n)
 
 
 def _as_batch(prompts: Prompts, vocab: int) -> list[list[int]]:

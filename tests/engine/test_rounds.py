@@ -1,0 +1,148 @@
+"""Round mechanics on the tiny model: commit/rollback leave caches equal to a fresh prefill, EOS and
+max_new_tokens stop exactly, scheduling (adaptive L, staggering, lock step, n-gram stacking) changes
+speed but never tokens, and swap misses or corrupt full chunks fall back to recomputation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import random_prompts
+
+from lmcache_vericache import compressors as C
+from lmcache_vericache.engine import (
+    FileSource,
+    MemorySource,
+    NgramProposer,
+    Runtime,
+    Segment,
+    VeriCacheEngine,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+SL = ("streamingllm", {"keep_ratio": 0.25})  # evicts 3/4: plenty of rejections
+
+
+def _eng(model, **kw):
+    kw.setdefault("chunk_size", 64)
+    kw.setdefault("draft_len", 6)
+    name, params = kw.pop("method", SL)
+    return VeriCacheEngine(model, name, params, **kw)
+
+
+def test_caches_after_commit_equal_fresh_prefill(tiny_model):
+    eng = _eng(tiny_model)
+    rt, checked = Runtime(tiny_model), []
+    comp = C.get(*SL[:1], **SL[1])
+
+    def check(r):
+        if r.done or r.stats.accepted[-1] == r.stats.drafted[-1]:
+            return
+        n = len(r.tokens) - 1  # caches hold tokens[:-1]
+        assert r.full.n == n and r.draft.n == n - r.prefix
+        fresh = rt.new_cache(n + 1)
+        rt.forward(torch.tensor(r.tokens[:-1]), torch.arange(n), [Segment(fresh, n)])
+        torch.testing.assert_close(r.full.k[:, :, :n], fresh.k[:, :, :n], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(r.full.v[:, :, :n], fresh.v[:, :, :n], atol=1e-5, rtol=1e-4)
+        # draft cache: compressed fresh chunks, then the exact suffix
+        dk, dv = r.draft.suffix(0, n - r.prefix)
+        torch.testing.assert_close(dk, fresh.k[:, :, r.prefix:n], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(dv, fresh.v[:, :, r.prefix:n], atol=1e-5, rtol=1e-4)
+        layers = comp.decompress(comp.compress(fresh.to_2ltd(0, 64), rt.num_kv_heads, start=0))
+        torch.testing.assert_close(r.draft.k[0, :, :layers[0].keys.shape[1]], layers[0].keys, atol=1e-5, rtol=1e-4)
+        checked.append(n)
+
+    eng.generate(random_prompts(1, [300]), 60, on_round=check)
+    assert len(checked) >= 2  # several rounds ended in a rejection and were checked
+
+
+def test_max_new_tokens_exact_and_eos_stops(tiny_model):
+    prompts = random_prompts(3, [200, 130, 257])
+    eng = _eng(tiny_model, eos_ids=set())
+    ref = eng.reference(prompts, 41)
+    for n in [1, 2, 7, 41]:
+        out = eng.generate(prompts, n)
+        assert [len(o.tokens) for o in out] == [n] * 3
+        assert [o.tokens for o in out] == [r.tokens[:n] for r in ref]
+    eos = ref[0].tokens[17]  # a token the model really emits, as EOS
+    cut = ref[0].tokens.index(eos) + 1
+    out = _eng(tiny_model, eos_ids={eos}).generate(prompts[:1], 41)
+    assert out[0].tokens == ref[0].tokens[:cut] and out[0].tokens[-1] == eos
+
+
+@pytest.mark.parametrize("variant", [
+    dict(draft_len="auto"), dict(draft_len=1), dict(draft_len=0), dict(stagger=False), dict(draft_len=12, stagger=True),
+    dict(ngram=NgramProposer(max_ngram=3, num_tokens=5)), dict(source="resident"),
+])
+def test_scheduling_changes_speed_not_tokens(tiny_model, variant):
+    prompts = random_prompts(4, [300, 200, 129, 64])
+    prompts[1] = prompts[1][:100] * 2  # repetitive: the n-gram proposer finds matches
+    ref = _eng(tiny_model).reference(prompts, 50)
+    out = _eng(tiny_model, **variant).generate(prompts, 50)
+    assert [o.tokens for o in out] == [r.tokens for r in ref]
+    if "ngram" in variant:  # the proposer really supplied drafts: more drafts than draft forwards
+        assert sum(out[1].stats.drafted) > out[1].stats.draft_steps
+
+
+def test_adaptive_horizon_grows_on_full_acceptance(tiny_model):
+    # int8 drafts are (nearly) exact: L doubles up to the cap after fully accepted rounds
+    eng = _eng(tiny_model, method=("int8", {}), draft_len="auto", max_draft_len=32)
+    [out] = eng.generate(random_prompts(1, [300]), 100)
+    assert max(out.stats.drafted) == 32 and out.stats.drafted[0] == 8
+
+
+class _Lossy(MemorySource):
+    """A source that misses some chunks and returns a wrong-length chunk for another."""
+
+    def prefetch(self, keys):
+        h = super().prefetch(keys)
+        vals = h.wait()
+        return type(h)([None if i % 2 else (v[:, :, :10] if i == 2 else v) for i, v in enumerate(vals)])
+
+
+def test_swap_misses_are_recomputed(tiny_model):
+    prompts = random_prompts(2, [400, 300])
+    ref = _eng(tiny_model).reference(prompts, 40)
+    out = _eng(tiny_model, source=_Lossy()).generate(prompts, 40)
+    assert [o.tokens for o in out] == [r.tokens for r in ref]
+    assert all(o.stats.recomputed_chunks >= o.stats.rounds for o in out)
+
+
+def test_file_source_and_corruption(tiny_model, tmp_path):
+    prompts = random_prompts(1, [300])
+    ref = _eng(tiny_model).reference(prompts, 40)
+    eng = _eng(tiny_model, source="file", swap_dir=str(tmp_path))
+    [out] = eng.generate(prompts, 40)
+    assert out.tokens == ref[0].tokens and out.stats.recomputed_chunks == 0
+    assert out.stats.bytes_moved == out.stats.rounds * 256 * Runtime(tiny_model).kv_bytes_per_token()
+    for f in sorted(tmp_path.glob("*.kv"))[:2]:  # flip a byte in two chunk files
+        raw = bytearray(f.read_bytes())
+        raw[-7] ^= 0x40
+        f.write_bytes(bytes(raw))
+    [out] = eng.generate(prompts, 40)
+    assert out.tokens == ref[0].tokens and out.stats.recomputed_chunks == 2 * out.stats.rounds
+    assert isinstance(eng.source, FileSource)
+
+
+def test_swap_is_really_used(tiny_model):
+    """The verify buffer's prefix is poisoned after set-up; only the swap can make verification right."""
+    prompts = random_prompts(1, [300])
+    ref = _eng(tiny_model).reference(prompts, 30)
+    [out] = _eng(tiny_model).generate(prompts, 30)
+    assert out.tokens == ref[0].tokens
+    assert out.stats.bytes_moved == out.stats.rounds * 256 * Runtime(tiny_model).kv_bytes_per_token()
+
+
+def test_bad_input(tiny_model):
+    eng = _eng(tiny_model)
+    for prompts, n, err in [([], 5, "no prompts"), ([[]], 5, "empty"), ([1, 2, 999], 5, "outside"),
+                            ([1, 2], 0, "max_new_tokens"), ([1, 2], 2.5, "max_new_tokens")]:
+        with pytest.raises(ValueError, match=err):
+            eng.generate(prompts, n)
+    with pytest.raises(ValueError, match="draft_len"):
+        eng.generate([1, 2], 3, draft_len="fast")
+    with pytest.raises(ValueError, match="unknown compressor"):
+        VeriCacheEngine(tiny_model, "nope")
+    with pytest.raises(ValueError, match="source"):
+        VeriCacheEngine(tiny_model, "int8", source="tape")
+    with pytest.raises(ValueError, match="swap_dir"):
+        VeriCacheEngine(tiny_model, "int8", source="file")
