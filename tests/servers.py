@@ -1,6 +1,8 @@
-"""Real Redis/Valkey servers for tests: started on 127.0.0.1 on a free port, no persistence,
-stopped by PID. Skips (with the reason) when neither ``redis-server`` nor ``valkey-server`` is
-installed (CI installs ``redis-server`` from apt).
+"""Real cache servers for tests, started on 127.0.0.1 on a free port and stopped by PID:
+
+* ``redis-server``/``valkey-server`` with no persistence (``--save "" --appendonly no``); skipped,
+  with the reason, when neither binary is installed (CI installs ``redis-server`` from apt);
+* LMCache's own server (``python -m lmcache.v1.server 127.0.0.1 PORT cpu``).
 
 Use from any test directory: ``from tests.servers import redis_server, redis_server_factory``
 (or re-export them from a ``conftest.py``).
@@ -13,6 +15,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -36,40 +39,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class RedisServer:
-    """One ``redis-server``/``valkey-server`` process owned by the test that started it."""
+class ServerProcess:
+    """A server process owned by the test that started it; ``ready`` probes one connection."""
 
-    def __init__(self, binary: str, port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self._dir = tempfile.mkdtemp(prefix="vericache-redis-")
-        self.proc = subprocess.Popen(
-            [binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
-             "--dir", self._dir, "--daemonize", "no", "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        self._wait_ready()
+    url_scheme = ""
 
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def _wait_ready(self, timeout: float = 10.0) -> None:
+    def __init__(self, cmd: list[str], port: int, timeout: float = 10.0) -> None:
+        self.port = port
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
-                raise RuntimeError(f"redis server exited with {self.proc.returncode}: {err}")
+                raise RuntimeError(f"{cmd[0]} exited with {self.proc.returncode}: {err[-2000:]}")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+                    if self.ready(s):
                         return
             except OSError:
-                time.sleep(0.02)
+                pass
+            time.sleep(0.05)
         self.stop()
-        raise RuntimeError(f"redis server on port {self.port} not ready after {timeout} s")
+        raise RuntimeError(f"{cmd[0]} on port {port} not ready after {timeout} s")
+
+    def ready(self, s: socket.socket) -> bool:
+        return True
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
 
     def kill(self) -> None:
         """Die abruptly (SIGKILL), as a crashed server would."""
@@ -87,16 +85,47 @@ class RedisServer:
                 self.proc.wait(5)
         if self.proc.stderr:
             self.proc.stderr.close()
+
+
+class RedisServer(ServerProcess):
+    def __init__(self, binary: str, port: int | None = None) -> None:
+        port = port or free_port()
+        self.url = f"redis://127.0.0.1:{port}/0"
+        self._dir = tempfile.mkdtemp(prefix="vericache-redis-")
+        super().__init__([binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+                          "--dir", self._dir, "--daemonize", "no", "--loglevel", "warning"], port)
+
+    def ready(self, s: socket.socket) -> bool:
+        s.sendall(b"PING\r\n")
+        return s.recv(16).startswith(b"+PONG")
+
+    def stop(self) -> None:
+        super().stop()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class LMServer(ServerProcess):
+    """LMCache's ``lm://`` cache server (in-memory, CPU)."""
+
+    def __init__(self, port: int | None = None) -> None:
+        port = port or free_port()
+        self.url = f"lm://127.0.0.1:{port}"
+        # importing lmcache takes seconds on a busy 2-core machine
+        super().__init__([sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"], port, timeout=120)
+
+
+def _redis_binary_or_skip() -> str:
+    binary = server_binary()
+    if binary is None:
+        pytest.skip(f"no Redis/Valkey server binary ({' or '.join(BINARIES)}) on PATH; apt-get install redis-server")
+    return binary
 
 
 @pytest.fixture
 def redis_server_factory() -> Iterator[Callable[..., RedisServer]]:
     """Start as many servers as a test needs (``start(port=None)``; a given port restarts a
     killed server in place); all are stopped at teardown."""
-    binary = server_binary()
-    if binary is None:
-        pytest.skip(f"no Redis/Valkey server binary ({' or '.join(BINARIES)}) on PATH; apt-get install redis-server")
+    binary = _redis_binary_or_skip()
     started: list[RedisServer] = []
 
     def start(port: int | None = None) -> RedisServer:
@@ -111,9 +140,14 @@ def redis_server_factory() -> Iterator[Callable[..., RedisServer]]:
 @pytest.fixture(scope="module")
 def redis_server() -> Iterator[RedisServer]:
     """One server shared by the tests of a module (tests use distinct key prefixes)."""
-    binary = server_binary()
-    if binary is None:
-        pytest.skip(f"no Redis/Valkey server binary ({' or '.join(BINARIES)}) on PATH; apt-get install redis-server")
-    server = RedisServer(binary)
+    server = RedisServer(_redis_binary_or_skip())
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def lm_server() -> Iterator[LMServer]:
+    """One LMCache server shared by the tests of a module (tests use distinct namespaces)."""
+    server = LMServer()
     yield server
     server.stop()

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from .store import DualTierStore
     from .tiers.base import CapacityTier
 
-CAPACITY_TIERS = ("disk", "redis", "memory")
+CAPACITY_TIERS = ("disk", "redis", "lm", "memory")
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,8 @@ class StoreConfig:
     disk_fsync: bool = False
     redis_url: str | None = None
     redis_prefix: str = "vericache:"
+    lm_url: str | None = None  # LMCache server, lm://host:port
+    lm_namespace: str = "vericache"
     memory_bytes: int = 4 << 30  # bound of the capacity tier when capacity == "memory"
     hot_bytes: int = 1 << 30
     max_concurrent_reads: int = 4
@@ -58,6 +60,8 @@ class StoreConfig:
             raise ValueError("store config capacity 'disk' needs disk_path")
         if self.capacity == "redis" and not self.redis_url:
             raise ValueError("store config capacity 'redis' needs redis_url")
+        if self.capacity == "lm" and not self.lm_url:
+            raise ValueError("store config capacity 'lm' needs lm_url")
 
     def build_capacity(self) -> CapacityTier:
         if self.capacity == "disk":
@@ -68,6 +72,10 @@ class StoreConfig:
             from .tiers.redis import RedisTier
 
             return RedisTier(self.redis_url, prefix=self.redis_prefix)  # type: ignore[arg-type]
+        if self.capacity == "lm":
+            from .tiers.lm import LMServerTier
+
+            return LMServerTier(self.lm_url, namespace=self.lm_namespace)  # type: ignore[arg-type]
         from .tiers.memory import MemoryTier
 
         return MemoryTier(self.memory_bytes)

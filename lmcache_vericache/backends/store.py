@@ -133,6 +133,7 @@ class DualTierStore:
         self.max_concurrent_reads = max_concurrent_reads
         self._hot: LRU[CompressedKV] = LRU(hot_bytes)
         self._pool = ThreadPoolExecutor(max_concurrent_reads, thread_name_prefix="vericache-read")
+        self._ckv_pool = ThreadPoolExecutor(max_concurrent_reads, thread_name_prefix="vericache-ckv")
         self._stats = StoreStats()
         self._lock = threading.Lock()
         self._closed = False
@@ -191,13 +192,21 @@ class DualTierStore:
         return ckv
 
     def get_compressed_prefix(self, keys: list[str]) -> list[CompressedKV]:
-        """Compressed chunks of the longest available prefix of ``keys``."""
-        out = []
+        """Compressed chunks of the longest available prefix of ``keys``. Chunks not hot are
+        fetched from the capacity tier ``max_concurrent_reads`` at a time, on their own pool so
+        drafting never queues behind full-chunk prefetches."""
+        out: list[CompressedKV] = []
         for key in keys:
-            ckv = self.get_compressed(key)
+            ckv = self.get_compressed(key) if key in self._hot else None
             if ckv is None:
                 break
             out.append(ckv)
+        step = self.max_concurrent_reads
+        for i in range(len(out), len(keys), step):
+            for ckv in self._ckv_pool.map(self.get_compressed, keys[i : i + step]):
+                if ckv is None:
+                    return out
+                out.append(ckv)
         return out
 
     def contains(self, key: str) -> bool:
@@ -260,6 +269,7 @@ class DualTierStore:
             return
         self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._ckv_pool.shutdown(wait=True, cancel_futures=True)
         self.capacity.close()
         self._hot.clear()
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 try:
-    from tests.servers import redis_server, redis_server_factory  # noqa: F401
+    from tests.servers import lm_server, redis_server, redis_server_factory  # noqa: F401
 except ImportError:
     # cufile-python installs a top-level ``tests`` package into site-packages, which wins over this
     # repository's ``tests`` namespace package; load tests/servers.py by path instead.
@@ -18,7 +18,7 @@ except ImportError:
     _servers = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
     sys.modules["tests.servers"] = _servers
     _spec.loader.exec_module(_servers)  # type: ignore[union-attr]
-    redis_server, redis_server_factory = _servers.redis_server, _servers.redis_server_factory
+    lm_server, redis_server, redis_server_factory = _servers.lm_server, _servers.redis_server, _servers.redis_server_factory
 
 HEADS, HEAD_DIM, LAYERS, TOKENS = 3, 8, 2, 16
 

@@ -18,6 +18,7 @@ import torch
 from lmcache_vericache import compressors
 from lmcache_vericache.backends import DiskTier, DualTierStore, TierError
 from lmcache_vericache.backends.store import COMPRESSED_SUFFIX, FULL_SUFFIX
+from lmcache_vericache.backends.tiers.lm import LMServerTier
 from lmcache_vericache.backends.tiers.redis import RedisTier
 
 HEADS = 3
@@ -203,3 +204,23 @@ def test_second_process_sees_first_process_chunks_through_redis(redis_server):
         assert all(torch.equal(ckvs[2].buffers[k], local.buffers[k]) for k in local.buffers)
         full = store.prefetch(keys).wait(timeout=10)
         assert all(torch.equal(f, e) for f, e in zip(full, expected))
+
+
+def test_lm_server_killed_gives_misses_and_failed_puts(chunks, caplog):
+    from tests.servers import LMServer
+
+    server = LMServer()
+    try:
+        store = store_on(LMServerTier(server.url))
+        store.put("k", chunks[0])
+        assert torch.equal(store.get_full("k"), chunks[0])
+        server.kill()
+        with caplog.at_level(logging.ERROR):
+            assert store.get_full("k") is None and store.prefetch(["k"]).wait(timeout=30) == [None]
+            with pytest.raises(TierError, match="PUT"):
+                store.put("k2", chunks[1])
+        assert any("lm tier" in r.getMessage() for r in caplog.records if r.levelno == logging.ERROR)
+        assert store.get_compressed("k") is not None  # still hot
+        store.close()
+    finally:
+        server.stop()

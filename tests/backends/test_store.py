@@ -12,6 +12,7 @@ import torch
 
 from lmcache_vericache import compressors
 from lmcache_vericache.backends import DiskTier, DualTierStore, MemoryTier, StoreConfig
+from lmcache_vericache.backends.tiers.lm import LMServerTier
 from lmcache_vericache.backends.tiers.redis import RedisTier
 
 HEADS = 3
@@ -41,13 +42,15 @@ class CountingDisk(DiskTier):
                 self.in_flight -= 1
 
 
-@pytest.fixture(params=["memory", "disk", "redis"])
+@pytest.fixture(params=["memory", "disk", "redis", "lm"])
 def capacity(request, tmp_path):
     if request.param == "memory":
         return MemoryTier(64 << 20)
     if request.param == "disk":
         return DiskTier(tmp_path / "kv")
-    return RedisTier(request.getfixturevalue("redis_server").url, prefix=f"s-{uuid.uuid4().hex}:")
+    if request.param == "redis":
+        return RedisTier(request.getfixturevalue("redis_server").url, prefix=f"s-{uuid.uuid4().hex}:")
+    return LMServerTier(request.getfixturevalue("lm_server").url, namespace=f"s-{uuid.uuid4().hex}")
 
 
 def store_on(capacity, method: str = "int8", **kw) -> DualTierStore:
@@ -101,8 +104,11 @@ def test_prefix_stops_at_first_miss(capacity, chunks):
     with store_on(capacity) as store:
         for k in ("a", "b", "d"):
             store.put(k, chunks[0])
-        assert len(store.get_compressed_prefix(["a", "b", "c", "d"])) == 2
-        assert store.get_compressed_prefix(["c", "a"]) == []
+        for _ in range(2):  # from the hot tier, then from the capacity tier (windowed, in parallel)
+            assert len(store.get_compressed_prefix(["a", "b", "c", "d"])) == 2
+            assert store.get_compressed_prefix(["c", "a"]) == []
+            assert len(store.get_compressed_prefix(["a"] * 9 + ["c", "a"])) == 9
+            store._hot.clear()
 
 
 def test_hot_tier_is_bounded_and_evicted_chunks_come_back_from_capacity(tmp_path, chunks):
@@ -196,12 +202,13 @@ def test_closed_store_refuses_work_and_close_is_idempotent(tmp_path, chunks):
             call()
 
 
-def test_from_config_builds_each_tier(tmp_path, redis_server, chunks):
+def test_from_config_builds_each_tier(tmp_path, redis_server, lm_server, chunks):
     base = {"compressor": "streamingllm", "compressor_params": {"keep_ratio": 0.5}, "num_kv_heads": HEADS}
     for extra in (
         {"capacity": "memory", "memory_bytes": 1 << 20},
         {"capacity": "disk", "disk_path": str(tmp_path), "disk_fsync": True},
         {"capacity": "redis", "redis_url": redis_server.url, "redis_prefix": f"cfg-{uuid.uuid4().hex}:"},
+        {"capacity": "lm", "lm_url": lm_server.url, "lm_namespace": f"cfg-{uuid.uuid4().hex}"},
     ):
         with DualTierStore.from_config({**base, **extra, "hot_bytes": 1 << 20, "max_concurrent_reads": 2}) as store:
             store.put("k", chunks[0])
@@ -218,6 +225,7 @@ def test_from_config_builds_each_tier(tmp_path, redis_server, chunks):
         ({"hot_bytes": True}, "hot_bytes must be int"),
         ({"capacity": "tape"}, "capacity must be one of"),
         ({"capacity": "redis"}, "needs redis_url"),
+        ({"capacity": "lm"}, "needs lm_url"),
         ({"compressor": "nope"}, "unknown compressor 'nope'"),
         ({"compressor_params": {"bits": 3}}, "has no parameter"),
     ],

@@ -9,19 +9,21 @@ import uuid
 import pytest
 
 from lmcache_vericache.backends.tiers import DiskTier, MemoryTier, TierError
+from lmcache_vericache.backends.tiers.lm import LMServerTier
 from lmcache_vericache.backends.tiers.memory import LRU
 from lmcache_vericache.backends.tiers.redis import RedisTier
 
 
-@pytest.fixture(params=["memory", "disk", "redis"])
+@pytest.fixture(params=["memory", "disk", "redis", "lm"])
 def tier(request, tmp_path):
     if request.param == "memory":
         t = MemoryTier(8 << 20)
     elif request.param == "disk":
         t = DiskTier(tmp_path / "tier")
+    elif request.param == "redis":
+        t = RedisTier(request.getfixturevalue("redis_server").url, prefix=f"t-{uuid.uuid4().hex}:")
     else:
-        server = request.getfixturevalue("redis_server")
-        t = RedisTier(server.url, prefix=f"t-{uuid.uuid4().hex}:")
+        t = LMServerTier(request.getfixturevalue("lm_server").url, namespace=f"t-{uuid.uuid4().hex}")
     yield t
     t.close()
 
@@ -39,7 +41,8 @@ def test_put_get_contains_delete(tier):
     assert bytes(tier.get("a")) == b"new"
     tier.delete("a")
     tier.delete("a")  # idempotent
-    assert tier.get("a") is None and not tier.contains("a")
+    assert tier.get("a") is None
+    assert tier.contains("a") == (tier.name == "lm")  # the lm:// protocol has no delete (documented)
 
 
 def test_put_does_not_alias_mutable_input(tier):
@@ -133,3 +136,12 @@ def test_redis_tier_bad_url_and_unreachable_server_fail_at_construction():
         RedisTier("http://127.0.0.1:1")
     with pytest.raises(TierError, match="cannot reach"):
         RedisTier(f"redis://127.0.0.1:{free_port()}/0")
+
+
+def test_lm_tier_bad_url_and_unreachable_server_fail_at_construction():
+    from tests.servers import free_port
+
+    with pytest.raises(TierError, match="bad url"):
+        LMServerTier("redis://127.0.0.1:1")
+    with pytest.raises(TierError, match="cannot reach"):
+        LMServerTier(f"lm://127.0.0.1:{free_port()}")
