@@ -2,10 +2,10 @@
 
 The two stages are independent registered methods built through the registry, e.g.
 ``get("compose", evict="streamingllm", quant="kivi", evict_params={"keep_ratio": 0.5},
-quant_params={"bits": 2})``. Eviction and quantization multiply their savings, as in the
-eviction-plus-quantization combinations studied for KV caches (e.g. "No Token Left Behind",
-Yang et al. 2024, arXiv 2402.18096; KIVI's own evaluation with token dropping left open). Positions
-are the evictor's; the quantizer sees only the kept tokens of each layer.
+quant_params={"bits": 2})``. Eviction and quantization multiply their savings; combining the two
+for KV caches is studied e.g. in "No Token Left Behind" (Yang et al. 2024, arXiv 2402.18096), which
+keeps evicted tokens at low precision instead. Positions are the evictor's; the quantizer sees only
+the kept tokens of each layer.
 """
 
 from __future__ import annotations
