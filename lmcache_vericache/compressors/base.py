@@ -263,5 +263,6 @@ def check_ratio(name: str, value: float) -> None:
 
 
 def check_choice(name: str, value: Any, choices: tuple) -> None:
-    if value not in choices:
+    # Compare types too: bits=2.0 equals 2 but would fail later, deep inside encode.
+    if not any(value == c and type(value) is type(c) for c in choices):
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
