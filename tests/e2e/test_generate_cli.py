@@ -1,0 +1,40 @@
+"""``vericache generate`` end to end: the real model on a real stdlib file, checked against plain
+full-KV greedy decoding (``--reference``); bad arguments fail with a clear message."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lmcache_vericache.cli import main
+
+
+@pytest.mark.slow
+def test_generate_reference_identical(tmp_path):
+    cmd = [sys.executable, "-c", "from lmcache_vericache.cli import main; raise SystemExit(main())", "generate", "--compressor", "streamingllm",
+           "--compressor-params", '{"keep_ratio": 0.25}', "--prompt-tokens", "1024", "--max-new-tokens", "128",
+           "--draft-len", "auto", "--source", "file", "--swap-dir", str(tmp_path), "--reference", "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    assert out["identical"] is True and out["tokens"] == out["reference_tokens"]
+    assert len(out["prompt_tokens"]) == 1024 and len(out["tokens"]) == 128
+    assert out["rounds"] >= 1 and 1 <= out["mean_accepted"] <= 65
+    assert 0 <= out["hidden_swap_fraction"] <= 1 and out["compression_ratio"] > 3
+    assert isinstance(out["text"], str) and out["text"]
+    assert list(tmp_path.glob("*.kv"))  # the full chunks really went through files
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--compressor-params", "{bad"], "not valid JSON"),
+    (["--compressor-params", "[1]"], "JSON object"),
+    (["--draft-len", "many"], "--draft-len"),
+    (["--reference", "--temperature", "0.8"], "greedy"),
+    (["--prompt-file", "/nonexistent/file.py"], "not found"),
+])
+def test_bad_arguments(argv, msg, capsys):
+    assert main(["generate", *argv, "--json"]) == 2
+    assert msg in capsys.readouterr().err
