@@ -10,6 +10,7 @@ import sys
 # subcommand -> module (relative to this package)
 SUBCOMMANDS = {
     "compressors": ".compressors",
+    "generate": ".generate",
     "lmcache-config": ".lmcache_config",
 }
 
