@@ -33,8 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lmcache_vericache import compressors  # noqa: E402
-from lmcache_vericache.backends import DiskTier, DualTierStore, encode_full  # noqa: E402
+from lmcache_vericache.backends import DiskTier, DualTierStore, TierError, encode_full  # noqa: E402
 from lmcache_vericache.backends.store import FULL_SUFFIX  # noqa: E402
+from lmcache_vericache.backends.tiers.lm import LMServerTier  # noqa: E402
 from lmcache_vericache.backends.tiers.redis import RedisTier  # noqa: E402
 
 SHAPE = (2, 30, 256, 192)  # [2, layers, tokens, kv_heads * head_dim]
@@ -52,16 +53,24 @@ def load_servers():
 
 
 def median_time(fn: Callable[[], object], repeats: int, before: Callable[[], None] | None = None) -> float:
-    fn()  # warm-up: glibc raises its mmap threshold after the first large frees, so later runs
-    # reuse heap pages instead of faulting in fresh ones; every variant gets the same start
-    times = []
-    for _ in range(repeats):
-        if before is not None:
-            before()
-        t = time.perf_counter()
+    return median_times({"": (fn, before)}, repeats)[""]
+
+
+def median_times(fns: dict[str, tuple[Callable[[], object], Callable[[], None] | None]], repeats: int) -> dict[str, float]:
+    """Median wall time of each ``(fn, before)``, runs interleaved so that load from other
+    processes and allocator state (glibc raises its mmap threshold after the first large frees)
+    hit every variant alike; one untimed warm-up run each."""
+    for fn, _ in fns.values():
         fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, (fn, before) in fns.items():
+            if before is not None:
+                before()
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def drop_cache(paths: list[Path]) -> None:
@@ -98,31 +107,40 @@ async def aiofiles_read_all(paths: list[Path]) -> None:
             await f.read()
 
 
-def bench_disk(blobs: list[bytes], workdir: Path, repeats: int) -> list[dict]:
+async def to_thread_get_all(tier: DiskTier, keys: list[str]) -> None:
+    for k in keys:
+        await asyncio.to_thread(tier.get, k)
+
+
+def bench_files(blobs: list[bytes], workdir: Path, repeats: int, tier: DiskTier) -> list[dict]:
+    """A file tier (disk, or NIXL over the same files) against plain file I/O of the same bytes."""
     total = sum(len(b) for b in blobs)
-    raw_dir, tier_dir = workdir / "raw", workdir / "tier"
+    raw_dir = workdir / f"raw-{tier.name}"
     raw_dir.mkdir()
-    tier = DiskTier(tier_dir)
     raw_paths = [raw_dir / f"{i}.bin" for i in range(len(blobs))]
     keys = [f"k{i}" for i in range(len(blobs))]
     tier_paths = [tier._file(k) for k in keys]
     rows = []
 
-    def put_row(name, t_raw, t_tier):
-        rows.append({"tier": "disk", "op": name, "raw_GBps": total / t_raw / 1e9, "tier_GBps": total / t_tier / 1e9,
+    def row(op, t_raw, t_tier):
+        rows.append({"tier": tier.name, "op": op, "raw_GBps": total / t_raw / 1e9, "tier_GBps": total / t_tier / 1e9,
                      "tier_vs_raw": t_raw / t_tier})
 
-    put_row("put", median_time(lambda: [raw_write(p, b) for p, b in zip(raw_paths, blobs)], repeats),
-            median_time(lambda: [tier.put(k, b) for k, b in zip(keys, blobs)], repeats))
+    t = median_times({"raw": (lambda: [raw_write(p, b) for p, b in zip(raw_paths, blobs)], None),
+                      "tier": (lambda: [tier.put(k, b) for k, b in zip(keys, blobs)], None)}, repeats)
+    row("put", t["raw"], t["tier"])
     for cold in (False, True):
-        before_raw = (lambda: drop_cache(raw_paths)) if cold else None
-        before_tier = (lambda: drop_cache(tier_paths)) if cold else None
-        t_raw = median_time(lambda: raw_read_all(raw_paths), repeats, before_raw)
-        t_tier = median_time(lambda: each(tier.get, keys), repeats, before_tier)
-        put_row("get (cold cache)" if cold else "get (page cache)", t_raw, t_tier)
-        t_aio = median_time(lambda: asyncio.run(aiofiles_read_all(raw_paths)), repeats, before_raw)
-        rows.append({"tier": "disk", "op": f"aiofiles read ({'cold' if cold else 'page cache'})",
-                     "raw_GBps": total / t_raw / 1e9, "tier_GBps": total / t_aio / 1e9, "tier_vs_raw": t_raw / t_aio})
+        variants = {"raw": (lambda: raw_read_all(raw_paths), (lambda: drop_cache(raw_paths)) if cold else None),
+                    "tier": (lambda: each(tier.get, keys), (lambda: drop_cache(tier_paths)) if cold else None)}
+        if tier.name == "disk":
+            variants["aiofiles"] = (lambda: asyncio.run(aiofiles_read_all(raw_paths)), variants["raw"][1])
+            variants["to_thread"] = (lambda: asyncio.run(to_thread_get_all(tier, keys)), variants["tier"][1])
+        t = median_times(variants, repeats)
+        tag = "cold" if cold else "page cache"
+        row(f"get ({tag})", t["raw"], t["tier"])
+        if tier.name == "disk":
+            row(f"aiofiles read ({tag})", t["raw"], t["aiofiles"])
+            row(f"get in asyncio.to_thread ({tag})", t["raw"], t["to_thread"])
     tier.close()
     return rows
 
@@ -134,19 +152,31 @@ def bench_redis(blobs: list[bytes], url: str, repeats: int) -> list[dict]:
     client = redis.Redis.from_url(url)
     tier = RedisTier(url, prefix="bench-tier:")
     keys = [f"k{i}" for i in range(len(blobs))]
-    t_raw_set = median_time(lambda: [client.set(f"bench-raw:{k}", b) for k, b in zip(keys, blobs)], repeats)
-    t_tier_put = median_time(lambda: [tier.put(k, b) for k, b in zip(keys, blobs)], repeats)
-    t_raw_get = median_time(lambda: each(lambda k: client.get(f"bench-raw:{k}"), keys), repeats)
-    t_tier_get = median_time(lambda: each(tier.get, keys), repeats)
+    t = median_times({"raw_set": (lambda: [client.set(f"bench-raw:{k}", b) for k, b in zip(keys, blobs)], None),
+                      "tier_put": (lambda: [tier.put(k, b) for k, b in zip(keys, blobs)], None)}, repeats)
+    t.update(median_times({"raw_get": (lambda: each(lambda k: client.get(f"bench-raw:{k}"), keys), None),
+                           "tier_get": (lambda: each(tier.get, keys), None)}, repeats))
     client.flushall()
     client.close()
     tier.close()
     return [
-        {"tier": "redis", "op": "put", "raw_GBps": total / t_raw_set / 1e9, "tier_GBps": total / t_tier_put / 1e9,
-         "tier_vs_raw": t_raw_set / t_tier_put},
-        {"tier": "redis", "op": "get", "raw_GBps": total / t_raw_get / 1e9, "tier_GBps": total / t_tier_get / 1e9,
-         "tier_vs_raw": t_raw_get / t_tier_get},
+        {"tier": "redis", "op": "put", "raw_GBps": total / t["raw_set"] / 1e9, "tier_GBps": total / t["tier_put"] / 1e9,
+         "tier_vs_raw": t["raw_set"] / t["tier_put"]},
+        {"tier": "redis", "op": "get", "raw_GBps": total / t["raw_get"] / 1e9, "tier_GBps": total / t["tier_get"] / 1e9,
+         "tier_vs_raw": t["raw_get"] / t["tier_get"]},
     ]
+
+
+def bench_lm(blobs: list[bytes], url: str, repeats: int) -> list[dict]:
+    """No separate raw baseline: the tier is LMCache's wire protocol with a key frame and an ack."""
+    total = sum(len(b) for b in blobs)
+    tier = LMServerTier(url, namespace="bench")
+    keys = [f"k{i}" for i in range(len(blobs))]
+    t_put = median_time(lambda: [tier.put(k, b) for k, b in zip(keys, blobs)], repeats)
+    t_get = median_time(lambda: each(tier.get, keys), repeats)
+    tier.close()
+    return [{"tier": "lm", "op": op, "raw_GBps": None, "tier_GBps": total / t / 1e9, "tier_vs_raw": None}
+            for op, t in (("put", t_put), ("get", t_get))]
 
 
 def bench_prefix(kvs: list[torch.Tensor], make_capacity: Callable[[], object], tier_name: str, method: str,
@@ -208,11 +238,19 @@ def main() -> None:
     servers = load_servers()
     binary = servers.server_binary()
     server = servers.RedisServer(binary) if binary else None
+    lm = servers.LMServer()
     workdir = Path(tempfile.mkdtemp(prefix="vericache-bench-", dir=os.environ.get("BENCH_DIR")))
     try:
-        tiers = bench_disk(blobs, workdir, args.repeats)
+        tiers = bench_files(blobs, workdir, args.repeats, DiskTier(workdir / "disk"))
+        try:
+            from lmcache_vericache.backends.tiers.nixl import NixlTier
+
+            tiers += bench_files(blobs, workdir, args.repeats, NixlTier(workdir / "nixl"))
+        except TierError as e:  # nixl-cu12 is an optional extra
+            print(f"skipping the nixl tier: {e}")
         if server:
             tiers += bench_redis(blobs, server.url, args.repeats)
+        tiers += bench_lm(blobs, lm.url, args.repeats)
         prefix = []
         for method, params in METHODS:
             d = workdir / f"store-{method}"
@@ -223,7 +261,11 @@ def main() -> None:
                 prefix.append(bench_prefix(
                     kvs, lambda m=method: RedisTier(server.url, prefix=f"bench-{m}:"), "redis", method, params,
                     args.repeats, None))
+            prefix.append(bench_prefix(
+                kvs, lambda m=method: LMServerTier(lm.url, namespace=f"bench-{m}"), "lm", method, params,
+                args.repeats, None))
     finally:
+        lm.stop()
         if server:
             server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
@@ -246,10 +288,11 @@ def print_tables(r: dict) -> None:
     s = r["setup"]
     print(f"\n{s['chunks']} chunks x {s['chunk_shape']} {s['dtype']} ({s['chunk_bytes'] / 1e6:.1f} MB each), "
           f"median of {s['repeats']}")
-    print(f"\n{'tier':<6} {'op':<26} {'raw GB/s':>9} {'tier GB/s':>10} {'tier/raw':>9}")
+    print(f"\n{'tier':<6} {'op':<36} {'raw GB/s':>9} {'tier GB/s':>10} {'tier/raw':>9}")
     for row in r["tiers"]:
-        print(f"{row['tier']:<6} {row['op']:<26} {row['raw_GBps']:>9.2f} {row['tier_GBps']:>10.2f} "
-              f"{row['tier_vs_raw']:>8.0%}")
+        raw = "-" if row["raw_GBps"] is None else f"{row['raw_GBps']:.2f}"
+        rel = "-" if row["tier_vs_raw"] is None else f"{row['tier_vs_raw']:.0%}"
+        print(f"{row['tier']:<6} {row['op']:<36} {raw:>9} {row['tier_GBps']:>10.2f} {rel:>9}")
     print("\n8k-token prefix: compressed draft path vs full path (s; x = all full / compressed)")
     print(f"{'tier':<6} {'method':<13} {'ratio':>5} {'put/chunk':>9} {'ckv hot':>8} {'ckv tier':>9} {'1st full':>9} "
           f"{'all full':>9} {'x hot':>7} {'x tier':>7} {'verified GB/s':>13}")

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from .store import DualTierStore
     from .tiers.base import CapacityTier
 
-CAPACITY_TIERS = ("disk", "redis", "lm", "memory")
+CAPACITY_TIERS = ("disk", "nixl", "redis", "lm", "memory")
 
 
 @dataclass(frozen=True)
@@ -56,8 +56,8 @@ class StoreConfig:
                 raise ValueError(f"store config {name} must be > 0, got {getattr(self, name)}")
         if self.capacity not in CAPACITY_TIERS:
             raise ValueError(f"store config capacity must be one of {CAPACITY_TIERS}, got {self.capacity!r}")
-        if self.capacity == "disk" and not self.disk_path:
-            raise ValueError("store config capacity 'disk' needs disk_path")
+        if self.capacity in ("disk", "nixl") and not self.disk_path:
+            raise ValueError(f"store config capacity {self.capacity!r} needs disk_path")
         if self.capacity == "redis" and not self.redis_url:
             raise ValueError("store config capacity 'redis' needs redis_url")
         if self.capacity == "lm" and not self.lm_url:
@@ -68,6 +68,10 @@ class StoreConfig:
             from .tiers.disk import DiskTier
 
             return DiskTier(self.disk_path, fsync=self.disk_fsync)  # type: ignore[arg-type]
+        if self.capacity == "nixl":
+            from .tiers.nixl import NixlTier
+
+            return NixlTier(self.disk_path, fsync=self.disk_fsync)  # type: ignore[arg-type]
         if self.capacity == "redis":
             from .tiers.redis import RedisTier
 

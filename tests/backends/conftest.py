@@ -31,3 +31,11 @@ def make_chunk(seed: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
 @pytest.fixture
 def chunks() -> list[torch.Tensor]:
     return [make_chunk(i) for i in range(6)]
+
+
+@pytest.fixture
+def nixl_tier_cls():
+    pytest.importorskip("nixl_cu12", reason="nixl-cu12 not installed (optional extra 'nixl')")
+    from lmcache_vericache.backends.tiers.nixl import NixlTier
+
+    return NixlTier

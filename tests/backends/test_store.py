@@ -42,12 +42,14 @@ class CountingDisk(DiskTier):
                 self.in_flight -= 1
 
 
-@pytest.fixture(params=["memory", "disk", "redis", "lm"])
+@pytest.fixture(params=["memory", "disk", "nixl", "redis", "lm"])
 def capacity(request, tmp_path):
     if request.param == "memory":
         return MemoryTier(64 << 20)
     if request.param == "disk":
         return DiskTier(tmp_path / "kv")
+    if request.param == "nixl":
+        return request.getfixturevalue("nixl_tier_cls")(tmp_path / "kv")
     if request.param == "redis":
         return RedisTier(request.getfixturevalue("redis_server").url, prefix=f"s-{uuid.uuid4().hex}:")
     return LMServerTier(request.getfixturevalue("lm_server").url, namespace=f"s-{uuid.uuid4().hex}")

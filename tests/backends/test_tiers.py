@@ -14,12 +14,12 @@ from lmcache_vericache.backends.tiers.memory import LRU
 from lmcache_vericache.backends.tiers.redis import RedisTier
 
 
-@pytest.fixture(params=["memory", "disk", "redis", "lm"])
+@pytest.fixture(params=["memory", "disk", "nixl", "redis", "lm"])
 def tier(request, tmp_path):
     if request.param == "memory":
         t = MemoryTier(8 << 20)
-    elif request.param == "disk":
-        t = DiskTier(tmp_path / "tier")
+    elif request.param in ("disk", "nixl"):
+        t = DiskTier(tmp_path / "tier") if request.param == "disk" else request.getfixturevalue("nixl_tier_cls")(tmp_path / "tier")
     elif request.param == "redis":
         t = RedisTier(request.getfixturevalue("redis_server").url, prefix=f"t-{uuid.uuid4().hex}:")
     else:

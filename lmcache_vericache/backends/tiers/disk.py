@@ -70,9 +70,7 @@ class DiskTier(CapacityTier):
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
             try:
-                done = 0
-                while done < view.nbytes:
-                    done += os.write(fd, view[done:])
+                self._write_fd(fd, view)
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -96,21 +94,30 @@ class DiskTier(CapacityTier):
             self._errors("disk tier %s: cannot open %r: %s", self.path, key, e)
             return None
         try:
-            size = os.fstat(fd).st_size
-            buf = bytearray(size)
-            view, done = memoryview(buf), 0
-            while done < size:
-                n = os.preadv(fd, [view[done:]], done)
-                if n == 0:  # cannot happen with rename-only writers; the digest rejects the rest
-                    break
-                done += n
-            view.release()
-            return buf if done == size else buf[:done]
+            buf = bytearray(os.fstat(fd).st_size)
+            done = self._read_fd(fd, buf)
+            return buf if done == len(buf) else buf[:done]
         except OSError as e:
             self._errors("disk tier %s: reading %r failed: %s", self.path, key, e)
             return None
         finally:
             os.close(fd)
+
+    # I/O hooks (the NIXL tier moves the same files through NIXL's POSIX backend)
+    def _write_fd(self, fd: int, view: memoryview) -> None:
+        done = 0
+        while done < view.nbytes:
+            done += os.write(fd, view[done:])
+
+    def _read_fd(self, fd: int, buf: bytearray) -> int:
+        view, done = memoryview(buf), 0
+        while done < len(buf):
+            n = os.preadv(fd, [view[done:]], done)
+            if n == 0:  # cannot happen with rename-only writers; the digest rejects the rest
+                break
+            done += n
+        view.release()
+        return done
 
     def contains(self, key: str) -> bool:
         return not self._closed and self._file(key).exists()
