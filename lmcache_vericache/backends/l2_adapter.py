@@ -24,6 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+import torch
 from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
@@ -44,6 +45,24 @@ def object_key_str(key: ObjectKey) -> str:
     """Stable store key of an MP ``ObjectKey`` (fields are ``@``-free by ObjectKey's invariants)."""
     s = f"{key.model_name}@{key.kv_rank:x}@{key.object_group_id:x}@{key.chunk_hash.hex()}"
     return f"{s}@{key.cache_salt}" if key.cache_salt else s
+
+
+def kv_2ltd_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the store's ``[2, L, T, W]`` chunk, as a view (writes go through to ``t``).
+
+    MP objects are ``[2, L, T, H*D]`` for engines with split K/V planes, or one fused plane
+    ``[L, T, 2*W]`` (LMCache's ``kv_size == 1`` layouts, e.g. vLLM on CPU), which is viewed as
+    its two halves. The view is exact both ways, so full chunks round-trip bit for bit whatever
+    the engine's layout. Only for split planes are the rows tokens: vLLM's CPU blocks tile K and V
+    in their own order (VLLM_NOTES.md), so there the compressed copy describes those bytes, not
+    per-token K/V, and serves no drafter.
+    """
+    if t.dim() == 4 and t.shape[0] == 2:
+        return t
+    if t.dim() == 3 and t.shape[-1] % 2 == 0:
+        layers, tokens, width = t.shape
+        return t.view(layers, tokens, 2, width // 2).permute(2, 0, 1, 3)
+    raise ValueError(f"unsupported MP object shape {tuple(t.shape)}: expected [2, L, T, W] or [L, T, 2*W]")
 
 
 class VeriCacheL2AdapterConfig(L2AdapterConfigBase):
@@ -161,7 +180,7 @@ class VeriCacheL2Adapter(L2AdapterInterface):
             if self.store.contains(skey):
                 continue
             try:
-                self.store.put(skey, obj.tensor)
+                self.store.put(skey, kv_2ltd_view(obj.tensor))
             except Exception as e:  # logged by the store for tier errors; reported per task
                 logger.error("VeriCacheL2Adapter: store of %s failed: %s", skey, e)
                 failures += 1
@@ -204,9 +223,13 @@ class VeriCacheL2Adapter(L2AdapterInterface):
         handle = self.store.prefetch([object_key_str(k) for k in keys])  # reads run in parallel
         loaded = []
         for i, (key, obj) in enumerate(zip(keys, objects, strict=True)):
-            full, dst = handle.wait(i), obj.tensor
+            full = handle.wait(i)
             if full is None:
                 continue
+            try:
+                dst = kv_2ltd_view(obj.tensor)
+            except (AttributeError, ValueError, RuntimeError):  # no tensor, or no chunk shape
+                dst = None
             if dst is None or dst.shape != full.shape or dst.dtype != full.dtype:
                 logger.error(
                     "VeriCacheL2Adapter: %s is %s %s but the load buffer is %s %s; treated as a miss",

@@ -139,6 +139,17 @@ def test_store_lookup_load_round_trip_is_bit_exact(adapter):
     assert status["store"]["full_hits"] == 2
 
 
+def test_fused_kv_plane_objects_round_trip_bit_exact(adapter):
+    """LMCache's single-plane layout ``[L, T, 2*W]`` (vLLM on CPU) is stored and loaded exactly."""
+    fused = chunk(5).permute(1, 2, 0, 3).reshape(LAYERS, CHUNK, 2 * HEADS * HEAD_DIM).contiguous()
+    store_id = adapter.submit_store_task([key(5)], [memory_obj(fused.clone())])
+    assert wait_for(adapter.get_store_event_fd(), adapter.pop_completed_store_tasks)[store_id].is_successful()
+    dst = memory_obj(torch.zeros_like(fused))
+    load_id = adapter.submit_load_task([key(5)], [dst])
+    assert bits(wait_for(adapter.get_load_event_fd(), lambda: adapter.query_load_result(load_id)), 1) == [1]
+    assert torch.equal(dst.tensor.view(torch.int16), fused.view(torch.int16))
+
+
 def test_load_into_a_buffer_of_another_shape_is_a_miss(adapter):
     store_id = adapter.submit_store_task([key(7)], [memory_obj(chunk(7))])
     assert wait_for(adapter.get_store_event_fd(), adapter.pop_completed_store_tasks)[store_id].is_successful()
