@@ -252,3 +252,38 @@ def test_lmcache_server_refuses_bad_adapter_params(tmp_path):
         server.stop()
     assert rc != 0
     assert "unknown key 'bogus_key'" in server.output()
+
+
+def test_cli_l2_json_builds_the_adapter(tmp_path, capsys):
+    from lmcache_vericache.cli import main
+
+    argv = [
+        "lmcache-config",
+        "--format",
+        "l2-json",
+        "--num-kv-heads",
+        "3",
+        "--disk-path",
+        str(tmp_path / "kv"),
+    ]
+    assert main(argv) == 0
+    adapter = build_adapter(json.loads(capsys.readouterr().out))
+    try:
+        assert isinstance(adapter, VeriCacheL2Adapter) and adapter.store.num_kv_heads == 3
+    finally:
+        adapter.close()
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--format", "l2-json"], "--num-kv-heads"),
+        (["--capacity", "redis"], "redis_url"),
+        (["--compressor-param", "bogus=1"], "bogus"),
+    ],
+)
+def test_cli_rejects_bad_store_options(capsys, argv, named):
+    from lmcache_vericache.cli import main
+
+    assert main(["lmcache-config", *argv]) == 2
+    assert named in capsys.readouterr().err

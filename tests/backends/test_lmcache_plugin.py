@@ -239,3 +239,13 @@ def test_bad_keys_are_a_visible_error_naming_the_key(engines, tmp_path, caplog, 
     with pytest.raises(RuntimeError, match="VeriCacheBackend") as exc:
         check_backend(engine)
     assert named in str(exc.value)
+
+
+def test_cli_yaml_starts_an_engine_with_the_backend(engines, tmp_path, capsys):
+    from lmcache_vericache.cli import main
+
+    assert main(["lmcache-config", "--disk-path", str(tmp_path / "kv"), "--compressor", "int4"]) == 0
+    path = tmp_path / "lmcache.yaml"
+    path.write_text(capsys.readouterr().out)
+    engine, _ = engines.start(LMCacheEngineConfig.from_file(str(path)), prompt(256)[1])
+    assert check_backend(engine).store.compressor.name == "int4"
