@@ -8,7 +8,7 @@ with each method so that both see the same load on a shared machine. Goal for pu
 quantizers: encode and decode each >= 1 GB/s. Eviction methods get the chunk's observation-window
 queries (the 32 tokens after it), as in ``vericache compressors``.
 
-    .venv/bin/python benchmarks/compressors.py [--methods a,b] [--reps 7] [--dtypes fp32,bf16]
+    .venv/bin/python benchmarks/compressors.py [--methods a,b] [--reps 7] [--dtypes fp32,bf16] [--threads N]
 
 Prints a table and writes benchmarks/results/compressors.json.
 """
@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--methods", help="comma-separated method names (default: all registered)")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--dtypes", default="fp32,bf16", help="comma-separated, from: fp32, bf16")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     args = ap.parse_args()
     names = compressors.available() if not args.methods else args.methods.split(",")
     dtypes = args.dtypes.split(",")
@@ -63,6 +64,8 @@ def main() -> None:
         raise SystemExit(f"unknown method/dtype {bad} or reps < 1; methods: {compressors.available()}")
 
     torch.set_grad_enabled(False)
+    if args.threads > 0:  # on a busy shared machine, 1 thread is far less disturbed than 2
+        torch.set_num_threads(args.threads)
     model, tok = load_model("smollm2")
     kv_full, queries = prefill_kv(model, prompt_ids(tok, stdlib_source("argparse.py"), CHUNK + WINDOW), WINDOW)
     heads = model.config.num_key_value_heads
