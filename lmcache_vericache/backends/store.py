@@ -110,7 +110,12 @@ class DualTierStore:
       tensors and ``CompressedKV``\\ s belong to the caller and must be treated as read-only when
       they come from the hot tier (they are shared between callers).
     * Threading: every method is thread-safe. Full reads run in one pool of
-      ``max_concurrent_reads`` threads shared by all prefetches (the bound is global).
+      ``max_concurrent_reads`` threads shared by all prefetches (the bound is global); compressed
+      chunks missing from the hot tier are fetched on a second pool of the same size, so the
+      draft path never waits behind full-chunk reads.
+    * Keys: a chunk ``key`` is stored in the capacity tier as ``key + "/full"`` and
+      ``key + "/ckv"``; the compressed value is written second and is the commit marker that
+      ``contains`` checks, so another process sharing the tier sees a chunk once both are stored.
     * A miss is ``None``: never stored, evicted, unreadable, or failed verification. Corrupt
       values are counted (``stats.corrupt``) and logged and never returned. Write failures raise
       :class:`TierError` after logging; what was stored before stays readable.

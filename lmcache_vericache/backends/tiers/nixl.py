@@ -82,7 +82,8 @@ class NixlTier(DiskTier):
             mem = torch.frombuffer(view, dtype=torch.uint8) if view.nbytes else torch.empty(0, dtype=torch.uint8)
         self._transfer("WRITE", fd, mem)
 
-    def _read_fd(self, fd: int, buf: bytearray) -> int:
-        if buf:
+    def _read_fd(self, fd: int, size: int) -> bytearray:
+        buf = bytearray(size)  # NIXL needs registered, writable memory to read into
+        if size:
             self._transfer("READ", fd, torch.frombuffer(buf, dtype=torch.uint8))
-        return len(buf)
+        return buf
