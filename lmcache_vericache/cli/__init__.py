@@ -12,6 +12,7 @@ SUBCOMMANDS = {
     "compressors": ".compressors",
     "generate": ".generate",
     "lmcache-config": ".lmcache_config",
+    "serve": ".serve",
 }
 
 

@@ -1,0 +1,90 @@
+"""``vericache serve``: an OpenAI-compatible vLLM server on SmolLM2 with the compressed-KV drafting
+proposer (``--speculative-config``) and, with ``--lmcache``, LMCache's MP connector
+(``--kv-transfer-config``, the server started as in ``configs/README.md``).
+
+It validates the proposer options, prints the ``vllm serve`` command line and replaces itself with
+it (``--dry-run`` only prints). Arguments after ``--`` go to ``vllm serve`` unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+PROPOSER = "lmcache_vericache.connectors.proposer.CompressedKVProposer"
+KV_TRANSFER_JSON = Path(__file__).parents[2] / "configs" / "vllm-kv-transfer.json"
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="vLLM OpenAI server with the compressed-KV drafting proposer",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="HF model folder (default: the converted SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--num-speculative-tokens", type=int, default=8, help="k: drafts per step (default 8)")
+    p.add_argument("--no-proposer", action="store_true", help="plain vLLM (no --speculative-config)")
+    o = p.add_argument_group("proposer options (--additional-config vericache_proposer.*)")
+    o.add_argument("--compressor", default="int8")
+    o.add_argument("--compressor-params", default="{}", metavar="JSON")
+    o.add_argument("--chunk-size", type=int, default=128)
+    o.add_argument("--window", type=int, default=0)
+    o.add_argument("--max-draft", type=int, default=None)
+    k = p.add_argument_group("LMCache MP connector")
+    k.add_argument("--lmcache", action="store_true", help="add --kv-transfer-config (LMCacheMPConnector)")
+    k.add_argument("--lmcache-port", type=int, default=None, help="LMCache server port (default: the JSON's)")
+    p.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
+    p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then extra `vllm serve` arguments")
+
+
+def command(args: argparse.Namespace) -> list[str]:
+    """The ``vllm serve`` argv for ``args``; bad proposer options raise ``ValueError`` naming the key."""
+    from ..connectors.proposer import CONFIG_KEY, ProposerOptions
+
+    try:
+        params = json.loads(args.compressor_params)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--compressor-params is not valid JSON: {e}") from e
+    opts = {"compressor": args.compressor, "compressor_params": params, "chunk_size": args.chunk_size,
+            "window": args.window}
+    if args.max_draft is not None:
+        opts["max_draft"] = args.max_draft
+    if args.num_speculative_tokens < 1:
+        raise ValueError("--num-speculative-tokens must be >= 1")
+    ProposerOptions.load({CONFIG_KEY: opts}, {}, args.num_speculative_tokens)  # fail here, not in the worker
+    if args.model is None:
+        from ..models import ensure_smollm2
+
+        args.model = str(ensure_smollm2())
+    argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model, "--host", args.host,
+            "--port", str(args.port), "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
+            "--gpu-memory-utilization", "0.3"]
+    if not args.no_proposer:
+        spec = {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": args.num_speculative_tokens}
+        argv += ["--speculative-config", json.dumps(spec), "--additional-config", json.dumps({CONFIG_KEY: opts})]
+    if args.lmcache:
+        kv = json.loads(KV_TRANSFER_JSON.read_text())
+        if args.lmcache_port is not None:
+            kv["kv_connector_extra_config"]["lmcache.mp.port"] = args.lmcache_port
+        argv += ["--kv-transfer-config", json.dumps(kv)]
+    extra = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
+    return argv + extra
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        argv = command(args)
+    except ValueError as e:
+        print(f"vericache serve: {e}", file=sys.stderr)
+        return 2
+    print(shlex.join(argv), flush=True)
+    if args.dry_run:
+        return 0
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONHASHSEED": "0", **os.environ}  # hash must match LMCache's
+    os.execvpe(argv[0], argv, env)
+    return 0  # not reached

@@ -1,0 +1,278 @@
+"""Compressed-KV drafting inside vLLM: a ``custom_class`` speculative proposer.
+
+    --speculative-config '{"method": "custom_class", "num_speculative_tokens": 8,
+        "model": "lmcache_vericache.connectors.proposer.CompressedKVProposer"}'
+
+Each step, for every request that just sampled, it drafts up to ``k`` tokens greedily with the target
+model itself (the module vLLM hands to ``load_model``, run through this package's runtime: no second
+copy of the weights) over a *draft cache*: the request's completed prefix chunks, read from vLLM's
+paged KV (:mod:`.paged_layout`) and compressed once each with a registry compressor, plus the exact
+KV of its newest tokens. vLLM's rejection sampler then verifies the drafts against its full KV, so
+output is unchanged whatever the drafts are.
+
+Options (vLLM forbids extra keys in the speculative config) come from ``--additional-config
+'{"vericache_proposer": {...}}'`` or, key by key as a fallback, from ``VERICACHE_PROPOSER_<KEY>``
+environment variables (``additional_config`` wins):
+
+* ``compressor`` (str, default ``"int8"``) and ``compressor_params`` (JSON object): registry method;
+* ``chunk_size`` (int, default 128): tokens compressed together, once the chunk is complete;
+* ``window`` (int, default 0): newest tokens always kept exact besides the open chunk;
+* ``max_draft`` (int, 1..k, default k): tokens drafted per step.
+
+Request identity: vLLM passes no request ids, and rows of ``token_ids_cpu`` move as requests come and
+go. A draft state is therefore matched to a row by content: the state's committed tokens must be a
+prefix of the row's tokens. Two requests with the same history would share KV anyway, so a match is
+always correct; a state no row matched in a step belongs to a finished (or preempted) request and is
+dropped. Block tables come from the attention metadata of the step's target forward (captured by a
+forward pre-hook on the target model): row ``i`` of it is row ``i`` of ``token_ids_cpu``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import compressors
+from ..engine.runtime import KVCache, Segment
+from . import paged_layout as pl
+from .vllm_model import runtime_for
+
+logger = logging.getLogger(__name__)
+Tensor = torch.Tensor
+CONFIG_KEY = "vericache_proposer"
+ENV_PREFIX = "VERICACHE_PROPOSER_"
+
+
+@dataclass(frozen=True)
+class ProposerOptions:
+    compressor: str = "int8"
+    compressor_params: dict[str, Any] = field(default_factory=dict)
+    chunk_size: int = 128
+    window: int = 0
+    max_draft: int | None = None  # None: num_speculative_tokens
+
+    @classmethod
+    def load(cls, additional_config: Mapping[str, Any] | None, env: Mapping[str, str], k: int) -> ProposerOptions:
+        """Options from ``additional_config[CONFIG_KEY]`` over ``VERICACHE_PROPOSER_*``; a bad key or
+        value raises ``ValueError`` naming it."""
+        given = (additional_config or {}).get(CONFIG_KEY) or {}
+        if not isinstance(given, Mapping):
+            raise ValueError(f"additional_config[{CONFIG_KEY!r}] must be a JSON object, got {given!r}")
+        names = {f for f in cls.__dataclass_fields__}
+        for key in given:
+            if key not in names:
+                raise ValueError(f"unknown option {CONFIG_KEY}.{key}; valid: {sorted(names)}")
+        for var in env:
+            if var.startswith(ENV_PREFIX) and var[len(ENV_PREFIX):].lower() not in names:
+                raise ValueError(f"unknown environment variable {var}; valid: "
+                                 f"{sorted(ENV_PREFIX + n.upper() for n in names)}")
+        values: dict[str, Any] = {}
+        for name in names:
+            if name in given:
+                values[name] = _check(name, given[name], f"{CONFIG_KEY}.{name}")
+            elif (raw := env.get(ENV_PREFIX + name.upper())) is not None:
+                values[name] = _check(name, _parse_env(name, raw), ENV_PREFIX + name.upper())
+        opts = cls(**values)
+        where = lambda n: f"{CONFIG_KEY}.{n}" if n in given else ENV_PREFIX + n.upper()  # noqa: E731
+        if opts.max_draft is not None and opts.max_draft > k:
+            raise ValueError(f"{where('max_draft')}={opts.max_draft} exceeds num_speculative_tokens={k}")
+        try:
+            compressors.get(opts.compressor, **opts.compressor_params)
+        except ValueError as e:
+            raise ValueError(f"{where('compressor')} / {where('compressor_params')}: {e}") from e
+        return opts
+
+
+def _parse_env(name: str, raw: str) -> Any:
+    if name == "compressor":
+        return raw
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not valid JSON: {e}") from e
+
+
+def _check(name: str, value: Any, key: str) -> Any:
+    if name == "compressor":
+        ok = isinstance(value, str) and bool(value)
+    elif name == "compressor_params":
+        ok = isinstance(value, dict)
+    else:  # chunk_size >= 1, window >= 0, max_draft >= 1
+        low = 0 if name == "window" else 1
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
+    if not ok:
+        raise ValueError(f"{key}: bad value {value!r}")
+    return value
+
+
+@dataclass
+class _State:
+    """Draft cache of one request: ``prefix`` positions compressed, then exact entries up to
+    ``len(tokens)`` (the committed tokens whose KV vLLM has computed)."""
+
+    cache: KVCache
+    tokens: np.ndarray
+    prefix: int = 0
+
+
+@dataclass
+class ProposerStats:
+    steps: int = 0
+    proposed: int = 0
+    chunks: int = 0
+    compressed_bytes: int = 0
+    full_bytes: int = 0
+    sync_s: float = 0.0  # reading vLLM's paged KV and compressing
+    draft_s: float = 0.0  # draft forwards
+
+
+class CompressedKVProposer:
+    """vLLM ``custom_class`` proposer drafting over compressed KV with the target model's weights."""
+
+    def __init__(self, vllm_config: Any):
+        spec = vllm_config.speculative_config
+        self.k = int(spec.num_speculative_tokens)
+        self.opts = ProposerOptions.load(getattr(vllm_config, "additional_config", None), os.environ, self.k)
+        self.compressor = compressors.get(self.opts.compressor, **self.opts.compressor_params)
+        self.max_draft = self.opts.max_draft or self.k
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.states: list[_State] = []
+        self.stats = ProposerStats()
+        self.rt = None
+        self._attn: list[torch.nn.Module] = []
+        self._caches: list[tuple[Tensor, pl.BlockLayout]] | None = None
+        self._block_table: Tensor | None = None
+
+    # -- vLLM hooks ------------------------------------------------------------------------------
+    def load_model(self, target_model: torch.nn.Module) -> None:
+        self.rt = runtime_for(target_model)
+        self._attn = [layer.self_attn.attn for layer in target_model.model.layers]
+        target_model.register_forward_pre_hook(self._capture)
+        target_model._vericache_proposer = self  # reachable from LLM.apply_model (stats, tests)
+
+    def _capture(self, module: torch.nn.Module, args: Any) -> None:
+        """Keep the block table of the step's forward; ``propose`` runs after it in the same step."""
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        md = get_forward_context().attn_metadata if is_forward_context_available() else None
+        if isinstance(md, list):
+            md = md[0] if md else None
+        meta = md.get(self._attn[0].layer_name) if md else None
+        self._block_table = meta.block_table.clone() if meta is not None else None
+
+    def propose(self, sampled_token_ids: list, num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray,
+                slot_mappings: Any = None, **_: Any) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in sampled_token_ids]
+        if self.rt is None or self._block_table is None:
+            return out
+        self.stats.steps += 1
+        t0 = time.perf_counter()
+        claimed: list[_State] = []
+        work: list[tuple[int, _State, int, int]] = []  # row, state, last position, draft length
+        for i, sampled in enumerate(sampled_token_ids):
+            n_tok = int(num_tokens_no_spec[i])
+            n = min(self.max_draft, self.max_model_len - n_tok)
+            if len(sampled) == 0 or n <= 0:  # partial prefill, or no room left
+                continue
+            row = token_ids_cpu[i, :n_tok]
+            st = self._match(row, claimed)
+            claimed.append(st)
+            self._sync(st, row, self._block_table[i], n)
+            work.append((i, st, n_tok - 1, n))
+        self.states = claimed  # unmatched states belonged to finished requests
+        t1 = time.perf_counter()
+        self.stats.sync_s += t1 - t0
+        tokens = {i: int(token_ids_cpu[i, pos]) for i, _, pos, _ in work}
+        for step in range(max((n for *_, n in work), default=0)):
+            live = [(i, st, pos) for i, st, pos, n in work if n > step]
+            logits, _ = self.rt.forward(torch.tensor([tokens[i] for i, _, _ in live]),
+                                        torch.tensor([pos + step for _, _, pos in live]),
+                                        [Segment(st.cache, 1) for _, st, _ in live])
+            for (i, _, _), t in zip(live, logits.argmax(-1).tolist()):
+                out[i].append(t)
+                tokens[i] = t
+        for _, st, _, _ in work:  # forget the draft tokens' KV
+            st.cache.n = len(st.tokens) - st.prefix
+        self.stats.draft_s += time.perf_counter() - t1
+        self.stats.proposed += sum(len(o) for o in out)
+        return out
+
+    # -- draft state -------------------------------------------------------------------------------
+    def _match(self, row: np.ndarray, claimed: list[_State]) -> _State:
+        best = None
+        for st in self.states:
+            m = len(st.tokens)
+            if m < len(row) and (best is None or m > len(best.tokens)) and np.array_equal(st.tokens, row[:m]):
+                best = st
+        if best is None:
+            return _State(self.rt.new_cache(max(256, len(row) + self.max_draft)), row[:0].copy())
+        if any(best is c for c in claimed):  # two rows with one history: give the second its own copy
+            c = best.cache
+            return _State(KVCache(c.k.clone(), c.v.clone(), list(c.base), c.n), best.tokens.copy(), best.prefix)
+        return best
+
+    def _sync(self, st: _State, row: np.ndarray, block_ids: Tensor, n_draft: int) -> None:
+        """Bring the draft cache to the committed tokens ``row[:-1]`` (the last one has no KV yet):
+        compress newly completed chunks, then copy the exact KV of the rest from vLLM's cache."""
+        valid, c = len(row) - 1, self.opts.chunk_size
+        upto = max(st.prefix, (valid - self.opts.window) // c * c)
+        while st.prefix < upto:
+            s = st.prefix
+            k, v = self._read(block_ids, s, s + c)
+            kv = torch.stack([k, v]).permute(0, 1, 3, 2, 4).reshape(2, k.shape[0], c, -1)
+            ckv = self.compressor.compress(kv, self.rt.num_kv_heads, start=s)
+            self.stats.chunks += 1
+            self.stats.compressed_bytes += ckv.nbytes
+            self.stats.full_bytes += ckv.full_nbytes
+            layers = self.compressor.decompress(ckv)
+            self._reserve(st, max(b + lk.keys.shape[1] for b, lk in zip(st.cache.base, layers)))
+            for li, lk in enumerate(layers):
+                b, m = st.cache.base[li], lk.keys.shape[1]
+                st.cache.k[li, :, b:b + m] = lk.keys
+                st.cache.v[li, :, b:b + m] = lk.values
+                st.cache.base[li] = b + m
+            st.prefix = s + c
+            st.cache.n = 0  # the exact suffix moved behind the grown prefix: copy it again
+        have = st.prefix + st.cache.n
+        self._reserve(st, max(st.cache.base) + valid - st.prefix + n_draft)
+        if have < valid:
+            k, v = self._read(block_ids, have, valid)
+            st.cache.write_suffix(st.cache.n, k, v)
+            st.cache.n = valid - st.prefix
+        st.tokens = row[:valid].copy()
+
+    def _reserve(self, st: _State, need: int) -> None:
+        c = st.cache
+        if need > c.capacity:
+            new = self.rt.new_cache(max(need, 2 * c.capacity))
+            new.k[:, :, :c.capacity] = c.k
+            new.v[:, :, :c.capacity] = c.v
+            new.base, new.n = list(c.base), c.n
+            st.cache = new
+
+    def _kv_caches(self) -> list[tuple[Tensor, pl.BlockLayout]]:
+        if self._caches is None:
+            caches = []
+            for attn in self._attn:
+                kv = attn.kv_cache[0] if isinstance(attn.kv_cache, (list, tuple)) else attn.kv_cache
+                isa = getattr(attn, "isa", None)
+                if isa is None:
+                    raise RuntimeError("CompressedKVProposer needs vLLM's CPU attention backend (layer has no 'isa')")
+                caches.append((kv, pl.layout_for(kv, isa)))
+            self._caches = caches
+        return self._caches
+
+    def _read(self, block_ids: Tensor, start: int, stop: int) -> tuple[Tensor, Tensor]:
+        """Exact K, V of positions ``[start, stop)``: ``[layers, kv_heads, T, head_dim]`` each."""
+        caches = self._kv_caches()
+        slots = pl.slots_for(block_ids, start, stop, caches[0][0].shape[2])
+        ks, vs = zip(*(pl.gather(kv, layout, slots) for kv, layout in caches))
+        return torch.stack(ks), torch.stack(vs)

@@ -1,0 +1,109 @@
+"""Run one offline vLLM engine on a list of jobs, in its own process, and report JSON.
+
+Tests and ``benchmarks/vllm_e2e.py`` start each engine configuration through :func:`run_engine`
+(a child ``python -m lmcache_vericache.connectors.vllm_run``): vLLM spawns workers (it needs a
+``__main__`` guard), a failed start must not take the caller down, and every process it starts
+ends with the child. Per job: the generated token ids, wall time, and the change of vLLM's
+spec-decode counters; optionally the proposer's own stats and the runtime's logits of a probe
+sequence computed inside the worker (``LLM.apply_model``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens")
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONHASHSEED": "0",
+              "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # apply_model ships a function to the worker
+
+
+def run_engine(spec: dict[str, Any], workdir: Path, *, env: dict[str, str] | None = None,
+               timeout: float = 600) -> dict[str, Any]:
+    """Run ``spec`` (``{"llm": LLM kwargs, "jobs": [...], "probe_ids": [...]?, "stats": bool?}``) in a
+    child process. Returns its report; a failed run raises ``RuntimeError`` with the log's tail."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec_path, out, log = workdir / "spec.json", workdir / "report.json", workdir / "engine.log"
+    spec_path.write_text(json.dumps({**spec, "out": str(out)}))
+    out.unlink(missing_ok=True)
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-m", __name__, str(spec_path)], stdout=f, stderr=subprocess.STDOUT,
+                                env={**os.environ, **ENGINE_ENV, **(env or {})}, start_new_session=True)
+        try:
+            rc = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)  # the engine core and workers are in the child's session
+            proc.wait(30)
+            rc = "timeout"
+    if rc != 0 or not out.is_file():
+        raise RuntimeError(f"vLLM run failed ({rc}); log {log}:\n{log.read_text(errors='replace')[-6000:]}")
+    return json.loads(out.read_text())
+
+
+def _counters(llm) -> dict[str, float]:
+    vals: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if m.name in SPEC_COUNTERS:
+            vals[m.name] = vals.get(m.name, 0) + m.value
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            vals.setdefault(m.name, [0] * len(m.values))
+            vals[m.name] = [a + b for a, b in zip(vals[m.name], m.values)]
+    return vals
+
+
+def _delta(after: dict, before: dict) -> dict:
+    return {k: ([a - b for a, b in zip(v, before.get(k, [0] * len(v)))] if isinstance(v, list) else v - before.get(k, 0))
+            for k, v in after.items()}
+
+
+def proposer_stats(model) -> dict[str, Any] | None:
+    """``LLM.apply_model`` helper: the proposer's counters and live draft states."""
+    p = getattr(model, "_vericache_proposer", None)
+    return None if p is None else {**asdict(p.stats), "live_states": len(p.states)}
+
+
+def _main(spec_path: str) -> None:
+    from functools import partial
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from lmcache_vericache.connectors.vllm_model import runtime_logits
+    from lmcache_vericache.connectors.vllm_run import proposer_stats  # by reference, not __main__'s copy
+
+    spec = json.loads(Path(spec_path).read_text())
+    t0 = time.perf_counter()
+    llm = LLM(**{"disable_log_stats": False, "gpu_memory_utilization": 0.3, **spec["llm"]})
+    report: dict[str, Any] = {"start_s": time.perf_counter() - t0, "jobs": {}}
+    for job in spec.get("jobs", []):
+        before = _counters(llm)
+        t = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]],
+                            SamplingParams(**job["sampling"]), use_tqdm=False)
+        dt = time.perf_counter() - t
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        report["jobs"][job["name"]] = {
+            "tokens": tokens, "finish": [o.outputs[0].finish_reason for o in outs], "seconds": dt,
+            "new_tokens": sum(map(len, tokens)), "spec": _delta(_counters(llm), before),
+            "proposer": llm.apply_model(proposer_stats)[0] if spec.get("stats") else None,
+        }
+    if spec.get("probe_ids"):
+        import torch
+
+        probe = Path(spec["out"]).with_suffix(".logits.pt")
+        torch.save(llm.apply_model(partial(runtime_logits, token_ids=spec["probe_ids"]))[0], probe)
+        report["probe_logits"] = str(probe)
+    Path(spec["out"]).write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    for k, v in ENGINE_ENV.items():
+        os.environ.setdefault(k, v)
+    _main(sys.argv[1])
