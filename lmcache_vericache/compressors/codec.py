@@ -2,7 +2,7 @@
 
 Layout (little endian)::
 
-    b"VCKV" | u16 version | u32 header_len | header (msgpack) | buffers... | 16-byte blake2b digest
+    b"VCKV" | u16 version | u32 header_len | header (msgpack) | buffers... | 16-byte BLAKE3 digest
 
 The header names every buffer with its dtype, shape, offset and length, so decoding is a zero-copy
 ``torch.frombuffer`` over the input. The digest covers everything before it. Any malformed,
@@ -11,11 +11,11 @@ truncated, wrong-version or corrupted input raises :class:`CodecError`; no data 
 
 from __future__ import annotations
 
-import hashlib
 import struct
 import warnings
 from typing import Union
 
+import blake3
 import msgpack
 import torch
 
@@ -25,6 +25,7 @@ MAGIC = b"VCKV"
 VERSION = 1
 _PREFIX = struct.Struct("<4sHI")
 DIGEST_SIZE = 16
+ALIGN = 16
 
 _DTYPES = {
     str(dt).removeprefix("torch."): dt
@@ -42,11 +43,15 @@ class CodecError(ValueError):
 
 
 def digest(*parts: Buffer) -> bytes:
-    """The checksum used by every byte format of this package (blake2b, 16 bytes)."""
-    h = hashlib.blake2b(digest_size=DIGEST_SIZE)
+    """The checksum used by every byte format of this package: BLAKE3, 16 bytes.
+
+    BLAKE3 rather than hashlib's blake2b/sha256: full chunks are checksummed on every read, and here
+    BLAKE3 runs at ~8 GB/s against 0.5-0.9 GB/s, which capped verified reads below disk speed.
+    """
+    h = blake3.blake3()
     for p in parts:
         h.update(p)
-    return h.digest()
+    return h.digest(DIGEST_SIZE)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -69,30 +74,41 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
 
 
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
 def to_bytes(ckv: CompressedKV) -> bytes:
-    """Serialize ``ckv`` (one copy of each buffer into the output)."""
+    """Serialize ``ckv`` (one copy of each buffer into the output).
+
+    Every buffer starts at a multiple of ``ALIGN`` bytes from the frame start, so the reader can
+    view it as its dtype without a copy.
+    """
     entries, views, offset = [], [], 0
     for name, buf in ckv.buffers.items():
         view = tensor_bytes(buf)
         entries.append([name, dtype_name(buf.dtype), list(buf.shape), offset, view.nbytes])
-        views.append(view)
-        offset += view.nbytes
-    header = msgpack.packb(
-        {
-            "method": ckv.method,
-            "params": ckv.params,
-            "shape": list(ckv.shape),
-            "heads": ckv.num_kv_heads,
-            "dtype": dtype_name(ckv.dtype),
-            "start": ckv.start,
-            "buffers": entries,
-        },
-        use_bin_type=True,
-    )
-    out = bytearray(_PREFIX.pack(MAGIC, VERSION, len(header)))
-    out += header
-    for view in views:
-        out += view
+        views.append((offset, view))
+        offset = _align(offset + view.nbytes)
+    fields = {
+        "method": ckv.method,
+        "params": ckv.params,
+        "shape": list(ckv.shape),
+        "heads": ckv.num_kv_heads,
+        "dtype": dtype_name(ckv.dtype),
+        "start": ckv.start,
+        "buffers": entries,
+    }
+    for pad in range(2 * ALIGN):  # a pad field makes the payload start aligned
+        header = msgpack.packb({**fields, "pad": b"\0" * pad}, use_bin_type=True)
+        if (_PREFIX.size + len(header)) % ALIGN == 0:
+            break
+    data_start = _PREFIX.size + len(header)
+    out = bytearray(data_start + offset)
+    _PREFIX.pack_into(out, 0, MAGIC, VERSION, len(header))
+    out[_PREFIX.size:data_start] = header
+    for off, view in views:
+        out[data_start + off:data_start + off + view.nbytes] = view
     out += digest(out)
     return bytes(out)
 
@@ -115,22 +131,26 @@ def from_bytes(data: Buffer) -> CompressedKV:
         raise CodecError("truncated header")
     try:
         h = msgpack.unpackb(mv[_PREFIX.size:data_start], raw=False)
+        # One tensor over the whole payload; each buffer is a slice of it (a per-buffer
+        # frombuffer costs ~30 us, and a quantized chunk has hundreds of buffers).
+        with warnings.catch_warnings():  # read-only input: callers must not write into views
+            warnings.simplefilter("ignore", UserWarning)
+            payload = (torch.frombuffer(mv, dtype=torch.uint8, offset=data_start, count=body_end - data_start)
+                       if body_end > data_start else torch.empty(0, dtype=torch.uint8))
         buffers = {}
         for name, dt, shape, off, nbytes in h["buffers"]:
             dtype = parse_dtype(dt)
-            if off < 0 or data_start + off + nbytes > body_end:
+            if off < 0 or nbytes < 0 or data_start + off + nbytes > body_end:
                 raise CodecError(f"buffer {name!r} lies outside the payload")
             count = 1
             for s in shape:
                 count *= s
-            elem = torch.empty((), dtype=dtype).element_size()
-            if count * elem != nbytes:
+            if count * dtype.itemsize != nbytes:
                 raise CodecError(f"buffer {name!r}: shape {shape} does not match {nbytes} bytes")
-            raw = mv[data_start + off : data_start + off + nbytes]
-            with warnings.catch_warnings():  # read-only input: callers must not write into views
-                warnings.simplefilter("ignore", UserWarning)
-                t = torch.frombuffer(raw, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
-            buffers[name] = t.view(dtype).reshape(shape)
+            raw = payload[off:off + nbytes]
+            if nbytes and (data_start + off) % dtype.itemsize:
+                raw = raw.clone()  # misaligned for a typed view
+            buffers[name] = raw.view(dtype).reshape(shape)
         return CompressedKV(
             method=h["method"],
             params=h["params"],
