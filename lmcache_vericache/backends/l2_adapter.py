@@ -12,7 +12,8 @@ Loaded by the LMCache server (``configs/lmcache-server-l2.json``)::
 naming it. The server has no model config, so ``num_kv_heads`` is required here.
 
 As in-process, LMCache loads and stores **full** chunks through this adapter (exact KV); the
-compressed copy each store also makes is for the draft path of engines sharing the store.
+compressed copy each store also makes (split K/V planes only) is for the draft path of engines
+sharing the store.
 """
 
 from __future__ import annotations
@@ -53,9 +54,8 @@ def kv_2ltd_view(t: torch.Tensor) -> torch.Tensor:
     MP objects are ``[2, L, T, H*D]`` for engines with split K/V planes, or one fused plane
     ``[L, T, 2*W]`` (LMCache's ``kv_size == 1`` layouts, e.g. vLLM on CPU), which is viewed as
     its two halves. The view is exact both ways, so full chunks round-trip bit for bit whatever
-    the engine's layout. Only for split planes are the rows tokens: vLLM's CPU blocks tile K and V
-    in their own order (VLLM_NOTES.md), so there the compressed copy describes those bytes, not
-    per-token K/V, and serves no drafter.
+    the engine's layout. Only split planes have token rows: vLLM's CPU blocks tile K and V
+    in their own order (VLLM_NOTES.md), so fused chunks are stored full-only (no compressed copy).
     """
     if t.dim() == 4 and t.shape[0] == 2:
         return t
@@ -180,7 +180,8 @@ class VeriCacheL2Adapter(L2AdapterInterface):
             if self.store.contains(skey):
                 continue
             try:
-                self.store.put(skey, kv_2ltd_view(obj.tensor))
+                # Only split K/V planes have token rows worth compressing (see kv_2ltd_view).
+                self.store.put(skey, kv_2ltd_view(obj.tensor), compress=obj.tensor.dim() == 4)
             except Exception as e:  # logged by the store for tier errors; reported per task
                 logger.error("VeriCacheL2Adapter: store of %s failed: %s", skey, e)
                 failures += 1

@@ -152,13 +152,23 @@ class DualTierStore:
         return StoreConfig.from_dict(config).build()
 
     # -- write path -----------------------------------------------------------------------------
-    def put(self, key: str, full: Tensor, *, start: int = 0, queries: Tensor | None = None) -> None:
+    def put(
+        self, key: str, full: Tensor, *, start: int = 0, queries: Tensor | None = None, compress: bool = True
+    ) -> None:
         """Compress ``full`` (``[2, L, T, H*D]``), store full and compressed bytes in the capacity
         tier and keep the compressed chunk hot. Raises ``TierError`` (logged) if the capacity tier
-        fails; the hot tier is then left unchanged."""
+        fails; the hot tier is then left unchanged.
+
+        ``compress=False`` stores the full chunk only, for KV whose rows are not tokens (vLLM's
+        CPU paged blocks as LMCache's MP server hands them over): a compressed copy of those
+        bytes would serve no drafter and cost a compression per chunk."""
         self._check_open()
-        ckv_blob = to_bytes(self.compressor.compress(full, self.num_kv_heads, start=start, queries=queries))
         full_blob = encode_full(full)
+        if not compress:
+            self._put_or_raise(key + FULL_SUFFIX, full_blob, key)
+            self._count(puts=1, bytes_written=len(full_blob))
+            return
+        ckv_blob = to_bytes(self.compressor.compress(full, self.num_kv_heads, start=start, queries=queries))
         self._put_or_raise(key + FULL_SUFFIX, full_blob, key)
         try:
             self._put_or_raise(key + COMPRESSED_SUFFIX, ckv_blob, key)
@@ -215,8 +225,10 @@ class DualTierStore:
         return out
 
     def contains(self, key: str) -> bool:
-        """Compressed chunk hot, or committed to the capacity tier (a hint: a later read may miss)."""
-        return key in self._hot or self.capacity.contains(key + COMPRESSED_SUFFIX)
+        """Compressed chunk hot, or committed to the capacity tier, or a full-only chunk stored
+        (a hint: a later read may miss)."""
+        return (key in self._hot or self.capacity.contains(key + COMPRESSED_SUFFIX)
+                or self.capacity.contains(key + FULL_SUFFIX))
 
     # -- full path ------------------------------------------------------------------------------
     def get_full(self, key: str) -> Tensor | None:

@@ -241,3 +241,14 @@ def test_config_errors_name_the_problem(tmp_path, bad, message):
 def test_config_requires_compressor_and_heads():
     with pytest.raises(ValueError, match=r"missing store config key\(s\) \['compressor', 'num_kv_heads'\]"):
         StoreConfig.from_dict({"capacity": "memory"})
+
+
+def test_full_only_put_is_contained_and_served_full(tmp_path):
+    """``compress=False`` (fused vLLM CPU blocks): the full chunk is stored and served, no
+    compressed copy is made."""
+    kv = torch.randn(2, 2, 16, 8)
+    with DualTierStore(compressors.get("int8"), DiskTier(tmp_path), num_kv_heads=2) as store:
+        store.put("k", kv, compress=False)
+        assert store.contains("k")
+        assert store.get_compressed("k") is None
+        assert torch.equal(store.get_full("k"), kv)
