@@ -43,7 +43,10 @@ def run_engine(spec: dict[str, Any], workdir: Path, *, env: dict[str, str] | Non
             proc.wait(30)
             rc = "timeout"
     if rc != 0 or not out.is_file():
-        raise RuntimeError(f"vLLM run failed ({rc}); log {log}:\n{log.read_text(errors='replace')[-6000:]}")
+        text = log.read_text(errors="replace")
+        # The root cause is logged by a worker, far above the tail: lift its "...Error: ..." lines.
+        causes = dict.fromkeys(ln.split("] ", 1)[-1] for ln in text.splitlines() if "Error: " in ln)
+        raise RuntimeError(f"vLLM run failed ({rc}): " + " | ".join(list(causes)[:6]) + f"\nlog {log}:\n{text[-4000:]}")
     return json.loads(out.read_text())
 
 
