@@ -34,8 +34,13 @@ def test_greedy_identical_1k(smollm2, reference_cache, name, params):
     assert out.stats.bytes_moved > 0 and 0 <= out.stats.hidden_swap_fraction <= 1
 
 
+# 2k x batch 2 costs several times the 1k case: one eviction and one low-bit method (sharing one
+# reference decode) keep the engine's share of the full suite near 10 minutes.
+CASES_2K = [c for c in CASES if c.values[0] in {"streamingllm", "kivi"}]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name,params", CASES)
+@pytest.mark.parametrize("name,params", CASES_2K)
 def test_greedy_identical_2k_batch(smollm2, reference_cache, name, params):
     """Both real prompts (stdlib, HumanEval) at 2k tokens as one staggered batch, adaptive L."""
     model, tok = smollm2
