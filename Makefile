@@ -4,6 +4,7 @@
 
 run:
 	scripts/setup.sh
+	.venv/bin/vericache generate --reference
 	.venv/bin/vericache compressors
 
 test:
