@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar
 
 import torch
 
@@ -57,8 +57,8 @@ class CompressionContext:
 
     num_kv_heads: int
     start: int = 0
-    queries: Optional[Tensor] = None
-    scores: Optional[Tensor] = None
+    queries: Tensor | None = None
+    scores: Tensor | None = None
 
 
 @dataclass
@@ -160,10 +160,10 @@ class KVCompressor(_Validated):
     # Parameter sets the shared test matrix and benchmarks run this method with.
     examples: ClassVar[tuple[dict[str, Any], ...]] = ({},)
 
-    def evictor(self) -> Optional[TokenEvictor]:
+    def evictor(self) -> TokenEvictor | None:
         return self if isinstance(self, TokenEvictor) else None
 
-    def quantizer(self) -> Optional[KVQuantizer]:
+    def quantizer(self) -> KVQuantizer | None:
         return self if isinstance(self, KVQuantizer) else None
 
     # -- shared mechanism -------------------------------------------------------------------
@@ -173,8 +173,8 @@ class KVCompressor(_Validated):
         num_kv_heads: int,
         *,
         start: int = 0,
-        queries: Optional[Tensor] = None,
-        scores: Optional[Tensor] = None,
+        queries: Tensor | None = None,
+        scores: Tensor | None = None,
     ) -> CompressedKV:
         """Compress a full chunk ``[2, L, T, H*D]`` whose first token sits at ``start``."""
         if kv.dim() != 4 or kv.shape[0] != 2:
@@ -247,7 +247,7 @@ def budget(n_tokens: int, keep_ratio: float) -> int:
     return max(1, min(n_tokens, round(n_tokens * keep_ratio)))
 
 
-def topk_keep(scores: Tensor, k: int, forced: Optional[Tensor] = None) -> Tensor:
+def topk_keep(scores: Tensor, k: int, forced: Tensor | None = None) -> Tensor:
     """Indices of the ``k`` highest ``scores`` along the last axis, always including ``forced``
     (a bool mask over tokens), sorted ascending. ``scores``: ``[..., T]``."""
     s = scores.float()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import struct
 import warnings
-from typing import Union
 
 import blake3
 import msgpack
@@ -35,7 +34,7 @@ _DTYPES = {
     )
 }
 
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 
 
 class CodecError(ValueError):
