@@ -17,7 +17,11 @@ environment variables (``additional_config`` wins):
 * ``compressor`` (str, default ``"int8"``) and ``compressor_params`` (JSON object): registry method;
 * ``chunk_size`` (int, default 128): tokens compressed together, once the chunk is complete;
 * ``window`` (int, default 0): newest tokens always kept exact besides the open chunk;
-* ``max_draft`` (int, 1..k, default k): tokens drafted per step.
+* ``max_draft`` (int, 1..k, default k): most tokens drafted per step;
+* ``adaptive`` (bool, default true): size each request's draft from its measured acceptance (the
+  engine's :class:`~lmcache_vericache.engine.horizon.Horizon`: double after full acceptance, about
+  1.5x the recent accepted run after a rejection). Drafting costs a target-model forward per token,
+  so drafts past the likely first mismatch are pure cost.
 
 Request identity: vLLM passes no request ids, and rows of ``token_ids_cpu`` move as requests come and
 go. A draft state is therefore matched to a row by content: the state's committed tokens must be a
@@ -41,6 +45,7 @@ import numpy as np
 import torch
 
 from .. import compressors
+from ..engine.horizon import Horizon
 from ..engine.runtime import KVCache, Segment
 from . import paged_layout as pl
 from .vllm_model import runtime_for
@@ -58,6 +63,7 @@ class ProposerOptions:
     chunk_size: int = 128
     window: int = 0
     max_draft: int | None = None  # None: num_speculative_tokens
+    adaptive: bool = True
 
     @classmethod
     def load(cls, additional_config: Mapping[str, Any] | None, env: Mapping[str, str], k: int) -> ProposerOptions:
@@ -105,6 +111,8 @@ def _check(name: str, value: Any, key: str) -> Any:
         ok = isinstance(value, str) and bool(value)
     elif name == "compressor_params":
         ok = isinstance(value, dict)
+    elif name == "adaptive":
+        ok = isinstance(value, bool)
     else:  # chunk_size >= 1, window >= 0, max_draft >= 1
         low = 0 if name == "window" else 1
         ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
@@ -120,7 +128,9 @@ class _State:
 
     cache: KVCache
     tokens: np.ndarray
+    horizon: Horizon
     prefix: int = 0
+    drafted: int = 0  # drafts proposed at the last step
 
 
 @dataclass
@@ -185,6 +195,11 @@ class CompressedKVProposer:
             row = token_ids_cpu[i, :n_tok]
             st = self._match(row, claimed)
             claimed.append(st)
+            accepted = n_tok - len(st.tokens) - 2  # new tokens since the last step = accepted + 1
+            if st.drafted and 0 <= accepted <= st.drafted:
+                st.horizon.update(st.drafted, accepted, 0.0, 0.0)
+            n = min(n, st.horizon.L)
+            st.drafted = n
             self._sync(st, row, self._block_table[i], n)
             work.append((i, st, n_tok - 1, n))
         self.states = claimed  # unmatched states belonged to finished requests
@@ -213,11 +228,15 @@ class CompressedKVProposer:
             if m < len(row) and (best is None or m > len(best.tokens)) and np.array_equal(st.tokens, row[:m]):
                 best = st
         if best is None:
-            return _State(self.rt.new_cache(max(256, len(row) + self.max_draft)), row[:0].copy())
+            return _State(self.rt.new_cache(max(256, len(row) + self.max_draft)), row[:0].copy(), self._horizon())
         if any(best is c for c in claimed):  # two rows with one history: give the second its own copy
             c = best.cache
-            return _State(KVCache(c.k.clone(), c.v.clone(), list(c.base), c.n), best.tokens.copy(), best.prefix)
+            return _State(KVCache(c.k.clone(), c.v.clone(), list(c.base), c.n), best.tokens.copy(),
+                          self._horizon(), best.prefix)
         return best
+
+    def _horizon(self) -> Horizon:
+        return Horizon("auto" if self.opts.adaptive else self.max_draft, self.max_draft, start_len=self.max_draft)
 
     def _sync(self, st: _State, row: np.ndarray, block_ids: Tensor, n_draft: int) -> None:
         """Bring the draft cache to the committed tokens ``row[:-1]`` (the last one has no KV yet):
