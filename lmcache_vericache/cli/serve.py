@@ -35,6 +35,7 @@ def add_parser(subparsers) -> None:
     o.add_argument("--chunk-size", type=int, default=128)
     o.add_argument("--window", type=int, default=0)
     o.add_argument("--max-draft", type=int, default=None)
+    o.add_argument("--no-adaptive", action="store_true", help="always draft --max-draft tokens")
     k = p.add_argument_group("LMCache MP connector")
     k.add_argument("--lmcache", action="store_true", help="add --kv-transfer-config (LMCacheMPConnector)")
     k.add_argument("--lmcache-port", type=int, default=None, help="LMCache server port (default: the JSON's)")
@@ -51,7 +52,7 @@ def command(args: argparse.Namespace) -> list[str]:
     except json.JSONDecodeError as e:
         raise ValueError(f"--compressor-params is not valid JSON: {e}") from e
     opts = {"compressor": args.compressor, "compressor_params": params, "chunk_size": args.chunk_size,
-            "window": args.window}
+            "window": args.window, "adaptive": not args.no_adaptive}
     if args.max_draft is not None:
         opts["max_draft"] = args.max_draft
     if args.num_speculative_tokens < 1:
