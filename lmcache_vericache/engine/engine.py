@@ -2,10 +2,21 @@
 
 Per request and round: start swapping the full prefix into the verify buffer, draft ``L`` tokens on
 the draft cache (compressed prefix + exact suffix), wait for the swap (recomputing any chunk the
-source missed), verify ``[last token] + drafts`` in one forward over the full cache, emit the accepted
+store missed), verify ``[last token] + drafts`` in one forward over the full cache, emit the accepted
 drafts plus the target's own token, and bring both caches to the committed point: the full cache
 keeps exactly the verify forward's KV of the committed tokens, the draft cache's suffix gets a copy
 of it.
+
+Storage is the project's :class:`~lmcache_vericache.backends.DualTierStore`: prefill puts each full
+prompt chunk (the store compresses it, with the engine's own compressor object) and the draft cache
+is laid out from the store's compressed chunks; rounds prefetch the full chunks from it.
+
+Shared prefix (remote prefix caching): when the store already holds the leading chunks of a prompt
+(put by another engine or process), their prefill is skipped. The draft cache is laid out from their
+compressed chunks at once, the full chunks start prefetching, and the uncached prompt tail is fed to
+the drafter as the first draft step; the first verify block is ``tail + drafts`` over the swapped-in
+exact prefix, so the tail's exact KV comes from a forward over the exact full prefix and the first
+emitted token is the target's own (lossless as every other round).
 
 Many requests run as one flat batch per step. With ``stagger`` they are not held in lock step:
 each request drafts or verifies on its own schedule (half of them start with a half-length round),
@@ -15,6 +26,8 @@ each request's tokens depend only on its own caches.
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,13 +35,16 @@ from typing import Any
 import torch
 
 from .. import compressors
-from ..compressors import KVCompressor
+from ..backends import DiskTier, DualTierStore, MemoryTier, TierError
+from ..compressors import CompressedKV, KVCompressor
 from .horizon import DraftLen, Horizon, check_draft_len
 from .proposer import NgramProposer
 from .request import Request, Result
 from .runtime import KVCache, Runtime, Segment
-from .swap import FileSource, MemorySource, SwapIn, chunk_keys
+from .swap import SwapIn, chunk_keys, model_fingerprint
 from .verify import Sampling, accept
+
+logger = logging.getLogger(__name__)
 
 Tensor = torch.Tensor
 Prompts = Sequence[int] | Tensor | Sequence[Sequence[int]]
@@ -37,47 +53,70 @@ Prompts = Sequence[int] | Tensor | Sequence[Sequence[int]]
 class VeriCacheEngine:
     """Lossless compressed-KV drafting for a Llama-family HF model.
 
-    ``source``: where full prefix chunks live between verifications: ``"memory"`` (host dict),
-    ``"file"`` (one file per chunk under ``swap_dir``), ``"resident"`` (never swapped out: the
-    baseline where the full KV fits), or any object with ``put``/``prefetch`` (e.g. the dual-tier store).
+    ``source``: where full prefix chunks live between verifications: ``"memory"`` (a
+    :class:`DualTierStore` over a byte-bounded :class:`MemoryTier` of ``memory_bytes``), ``"file"``
+    (over a :class:`DiskTier` in ``swap_dir``), any :class:`DualTierStore` (e.g. a shared Redis one:
+    then prompts whose prefix it holds skip that prefill), or ``"resident"`` (never swapped out: the
+    baseline where the full KV fits). The engine compresses with the store's compressor: pass
+    ``compressor=None`` to take it, or one with the same method and parameters.
+
+    Chunk keys are chained prefix hashes salted with the model's fingerprint, dtype, chunk size
+    and compressor, so engines share chunks exactly when the chunks are interchangeable.
     """
 
-    def __init__(self, model: torch.nn.Module, compressor: str | KVCompressor = "int8",
+    def __init__(self, model: torch.nn.Module, compressor: str | KVCompressor | None = None,
                  compressor_params: dict[str, Any] | None = None, *, chunk_size: int = 256,
-                 draft_len: DraftLen = 16, max_draft_len: int = 64, source: Any = "memory",
+                 draft_len: DraftLen = 16, max_draft_len: int = 64, source: str | DualTierStore = "memory",
                  swap_dir: str | None = None, stagger: bool = True, ngram: NgramProposer | None = None,
-                 query_window: int = 32, eos_ids: set[int] | None = None):
+                 query_window: int = 32, eos_ids: set[int] | None = None, memory_bytes: int = 4 << 30):
         self.rt = Runtime(model)
-        if isinstance(compressor, str):
-            compressor = compressors.get(compressor, **(compressor_params or {}))
-        elif compressor_params:
-            raise ValueError("compressor_params only apply when compressor is given by name")
-        self.compressor = compressor
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         check_draft_len(draft_len, max_draft_len)
+        store = source if isinstance(source, DualTierStore) else None
+        if store is None and source not in ("memory", "file", "resident"):
+            raise ValueError(f"source must be 'memory', 'file', 'resident' or a DualTierStore, got {source!r}")
+        if source == "file" and swap_dir is None:
+            raise ValueError("source='file' needs swap_dir")
+        self.compressor = _resolve_compressor(compressor, compressor_params, store)
+        if store is not None and store.num_kv_heads != self.rt.num_kv_heads:
+            raise ValueError(f"store has num_kv_heads={store.num_kv_heads}, the model {self.rt.num_kv_heads}")
+        self._owns_store = store is None and source != "resident"
+        if self._owns_store:
+            capacity = MemoryTier(memory_bytes) if source == "memory" else DiskTier(swap_dir)  # type: ignore[arg-type]
+            store = DualTierStore(self.compressor, capacity, num_kv_heads=self.rt.num_kv_heads)
+        self.store: DualTierStore | None = store
         self.chunk_size, self.draft_len, self.max_draft_len = chunk_size, draft_len, max_draft_len
         self.stagger, self.ngram, self.query_window = stagger, ngram, query_window
         self.eos_ids = set(self.rt.eos_ids if eos_ids is None else eos_ids)
-        if source == "memory":
-            source = MemorySource()
-        elif source == "file":
-            if swap_dir is None:
-                raise ValueError("source='file' needs swap_dir")
-            source = FileSource(swap_dir)
-        elif source == "resident":
-            source = None
-        elif isinstance(source, str) or not hasattr(source, "prefetch"):
-            raise ValueError(f"source must be 'memory', 'file', 'resident' or an object with prefetch(), got {source!r}")
-        self.source = source
+        self.salt = "|".join([model_fingerprint(model), str(self.rt.dtype), str(chunk_size), self.compressor.name,
+                              json.dumps(self.compressor.params(), sort_keys=True, default=str)])
         self._on_round: Callable[[Request], None] | None = None
+
+    def chunk_keys(self, tokens: Sequence[int]) -> list[str]:
+        """Store keys of the full chunks of ``tokens``, as this engine puts and looks them up."""
+        return chunk_keys(list(tokens), self.chunk_size, self.salt)
+
+    def close(self) -> None:
+        """Close the store if the engine made it (a store passed in belongs to the caller)."""
+        if self._owns_store and self.store is not None:
+            self.store.close()
+
+    def __enter__(self) -> VeriCacheEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- public API -------------------------------------------------------------------------------
     def generate(self, prompts: Prompts, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, draft_len: DraftLen | None = None,
                  stagger: bool | None = None, on_round: Callable[[Request], None] | None = None) -> list[Result]:
         """Decode every prompt (token ids) with draft/verify; request i samples with seed ``seed + i``.
-        ``on_round(request)`` runs after each round's commit (observability and tests)."""
+        ``on_round(request)`` runs after each round's commit (observability and tests).
+
+        Sampling is reproducible for an engine in the same state: a prompt prefix served from the
+        store drafts on another schedule, which draws another sample of the same distribution."""
         sampling = Sampling(temperature, top_k, top_p)
         draft_len = self.draft_len if draft_len is None else draft_len
         check_draft_len(draft_len, self.max_draft_len)
@@ -122,11 +161,12 @@ class VeriCacheEngine:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new!r}")
         batch = _as_batch(prompts, self.rt.vocab_size)
         reqs: list[Request] = []
-        done: dict[tuple[int, ...], tuple[Request, Tensor]] = {}  # identical prompts share one prefill
+        done: dict[tuple[int, ...], tuple[Request, Tensor | None]] = {}  # identical prompts share one set-up
+        t_begin = time.perf_counter()
         for i, ids in enumerate(batch):
             cap = len(ids) + max_new + self.max_draft_len + 2
             gen = torch.Generator().manual_seed(seed + i)
-            r = Request(i, list(ids), len(ids), max_new, self.rt.new_cache(cap), gen=gen)
+            r = Request(i, list(ids), len(ids), max_new, self.rt.new_cache(cap), gen=gen, t0=t_begin)
             r.stats.prompt_tokens = len(ids)
             t0 = time.perf_counter()
             if tuple(ids) in done:
@@ -134,16 +174,36 @@ class VeriCacheEngine:
                 r.full = _clone(twin.full)
                 r.draft = _clone(twin.draft) if twin.draft is not None else None
                 r.prefix, r.keys = twin.prefix, twin.keys
-                r.stats.compressed_bytes, r.stats.full_prefix_bytes = twin.stats.compressed_bytes, twin.stats.full_prefix_bytes
+                for name in ("compressed_bytes", "full_prefix_bytes", "cached_chunks"):
+                    setattr(r.stats, name, getattr(twin.stats, name))
             else:
-                logits, queries = self._prefill(r)
-                if draft:
-                    self._build_draft(r, queries)
+                logits = self._setup(r, draft)
                 done[tuple(ids)] = (r, logits)  # nothing decodes before _start returns: r stays pristine
             r.stats.prefill_s = time.perf_counter() - t0
-            self._emit(r, [self._pick(r, logits, sampling)])
+            if logits is not None:
+                self._emit(r, [self._pick(r, logits, sampling)])
+            r.start = r.pos if logits is not None else r.prefix
             reqs.append(r)
         return reqs
+
+    def _setup(self, r: Request, draft: bool) -> Tensor | None:
+        """Caches of a new request. Returns the logits of the prompt's last position, or ``None``
+        when the prompt's prefix came from the store and its tail is left to the first round."""
+        if not draft:
+            return self._prefill(r)[0]
+        c = self.chunk_size
+        keys = self.chunk_keys(r.tokens) if self.store is not None else []
+        if self.store is not None:
+            # At least one prompt token stays uncached: its forward yields the first token.
+            cached = self.store.get_compressed_prefix(keys[:(len(r.tokens) - 1) // c])
+            if cached:
+                r.full.n = len(cached) * c  # the exact prefix arrives by the swap, before the first verify
+                r.stats.cached_chunks = len(cached)
+                self._layout_draft(r, keys, cached)
+                return None
+        logits, queries = self._prefill(r)
+        self._layout_draft(r, keys, self._store_prompt(r, keys, queries))
+        return logits
 
     def _prefill(self, r: Request) -> tuple[Tensor, Tensor | None]:
         """Exact KV of the prompt, chunk by chunk (the same pieces a recompute uses); returns the
@@ -160,24 +220,37 @@ class VeriCacheEngine:
                                         rows=torch.tensor([e - s - 1]), capture_q=w if last else 0)
         return logits[0], q
 
-    def _build_draft(self, r: Request, queries: Tensor | None) -> None:
-        """Compress full chunks of the prompt, hand the full chunks to the source, and lay out the
-        draft cache: per layer the decompressed chunks, then the exact suffix."""
+    def _store_prompt(self, r: Request, keys: list[str], queries: Tensor | None) -> list[CompressedKV]:
+        """Put the prompt's full chunks into the store (which compresses them) and take the
+        compressed chunks back from it. A failed put ends the stored prefix there: that chunk and
+        the rest stay resident in both caches (exact), so a broken store costs speed, not tokens."""
+        c, heads = self.chunk_size, self.rt.num_kv_heads
+        q = None if queries is None else queries.cpu()
+        n = len(r.tokens) // c
+        if self.store is None:  # resident baseline: no store, compress here
+            return [self.compressor.compress(r.full.to_2ltd(i * c, (i + 1) * c), heads, start=i * c, queries=q)
+                    for i in range(n)]
+        for i in range(n):
+            try:
+                self.store.put(keys[i], r.full.to_2ltd(i * c, (i + 1) * c).contiguous(), start=i * c, queries=q)
+            except TierError as e:
+                logger.warning("request %d: storing prompt chunk %d of %d failed, keeping it and the rest "
+                               "resident: %s", r.idx, i, n, e)
+                n = i
+                break
+        return self.store.get_compressed_prefix(keys[:n])
+
+    def _layout_draft(self, r: Request, keys: list[str], ckvs: list[CompressedKV]) -> None:
+        """Draft cache: per layer the decompressed chunks, then the exact suffix (what the full cache
+        holds past the prefix). The full prefix now lives in the store."""
         c, rt = self.chunk_size, self.rt
-        n_chunks = len(r.tokens) // c
-        r.prefix = n_chunks * c
-        r.keys = chunk_keys(r.tokens, c, salt=f"{rt.dtype}")[:n_chunks]
+        r.prefix, r.keys = len(ckvs) * c, keys[:len(ckvs)]
         per_layer: list[list[tuple[Tensor, Tensor]]] = [[] for _ in range(rt.num_layers)]
-        for i in range(n_chunks):
-            kv = r.full.to_2ltd(i * c, (i + 1) * c).contiguous()
-            ckv = self.compressor.compress(kv, rt.num_kv_heads, start=i * c,
-                                           queries=None if queries is None else queries.cpu())
+        for ckv in ckvs:
             r.stats.compressed_bytes += ckv.nbytes
             r.stats.full_prefix_bytes += ckv.full_nbytes
             for li, lkv in enumerate(self.compressor.decompress(ckv)):
                 per_layer[li].append((lkv.keys, lkv.values))
-            if self.source is not None:
-                self.source.put(r.keys[i], kv)
         base = [sum(k.shape[1] for k, _ in chunks) for chunks in per_layer]
         cap = max(base) + (len(r.tokens) - r.prefix) + r.max_new + self.max_draft_len + 2
         cap += self.ngram.num_tokens if self.ngram else 0
@@ -187,12 +260,11 @@ class VeriCacheEngine:
                 r.draft.k[li, :, :base[li]] = torch.cat([k for k, _ in chunks], dim=1)
                 r.draft.v[li, :, :base[li]] = torch.cat([v for _, v in chunks], dim=1)
         r.draft.base = base
-        n_suffix = len(r.tokens) - r.prefix
-        r.draft.write_suffix(0, *r.full.suffix(r.prefix, len(r.tokens)))
-        r.draft.n = n_suffix
-        if self.source is not None and r.prefix:
-            # From here on the full prefix lives in the source; poison the verify buffer so a
-            # verification that skipped the swap could not pass.
+        if r.full.n > r.prefix:  # prompt computed here: its exact suffix seeds the draft cache
+            r.draft.write_suffix(0, *r.full.suffix(r.prefix, r.full.n))
+            r.draft.n = r.full.n - r.prefix
+        if self.store is not None and r.prefix:
+            # Poison the verify buffer's prefix: a verification that skipped the swap could not pass.
             r.full.k[:, :, :r.prefix] = float("nan")
             r.full.v[:, :, :r.prefix] = float("nan")
 
@@ -200,47 +272,47 @@ class VeriCacheEngine:
     def _new_round(self, r: Request) -> None:
         r.drafts, r.qs, r.round_draft_s = [], [], 0.0
         r.limit = max(0, min(r.horizon.L, r.remaining - 1))
-        if self.source is not None and r.prefix:
-            r.swap = SwapIn(self.source, r.keys, r.full, self.chunk_size)
+        if self.store is not None and r.prefix:
+            r.swap = SwapIn(self.store, r.keys, r.full, self.chunk_size)
 
     def _step(self, drafting: list[Request], verifying: list[Request], sampling: Sampling) -> None:
         for r in verifying:
             self._finish_swap(r)
         tokens, positions, segs, rows, plan = [], [], [], [], []
         for r in drafting:
-            feed = [r.drafts[-1] if r.drafts else r.tokens[-1]]
-            if self.ngram is not None:
-                room = r.limit - len(r.drafts) - 1
-                feed += self.ngram.propose(r.tokens + r.drafts, room)
-            plan.append(("draft", r, len(rows), feed))
-            self._add(tokens, positions, segs, rows, r.draft, feed, r.pos + len(r.drafts), all_rows=len(feed) > 1)
+            # First step of a round feeds tokens[start:] (one token, or a cached prompt's tail).
+            base, pos = ([r.drafts[-1]], r.pos + len(r.drafts)) if r.drafts else (r.tokens[r.start:], r.start)
+            proposed = (self.ngram.propose(r.tokens + r.drafts, r.limit - len(r.drafts) - 1)
+                        if self.ngram is not None else [])
+            plan.append(("draft", r, len(rows), proposed))
+            self._add(tokens, positions, segs, rows, r.draft, base + proposed, pos, len(base) - 1)
         for r in verifying:
-            feed = [r.tokens[-1]] + r.drafts
-            plan.append(("verify", r, len(rows), feed))
-            self._add(tokens, positions, segs, rows, r.full, feed, r.pos, all_rows=True)
+            plan.append(("verify", r, len(rows), r.drafts))
+            self._add(tokens, positions, segs, rows, r.full, r.tokens[r.start:] + r.drafts, r.start, r.pos - r.start)
         t0 = time.perf_counter()
         logits, _ = self.rt.forward(torch.tensor(tokens), torch.tensor(positions), segs, rows=torch.tensor(rows))
         dt = time.perf_counter() - t0
-        for kind, r, row, feed in plan:
+        for kind, r, row, guesses in plan:
+            rows_r = logits[row:row + len(guesses) + 1]
             if kind == "draft":
                 r.stats.draft_s += dt
                 r.round_draft_s += dt
                 r.stats.draft_steps += 1
-                self._take_drafts(r, feed, logits[row:row + len(feed)], sampling)
+                self._take_drafts(r, guesses, rows_r, sampling)
             else:
                 r.stats.verify_s += dt
-                self._verify(r, logits[row:row + len(feed)], sampling)
+                self._verify(r, rows_r, sampling)
 
     @staticmethod
-    def _add(tokens, positions, segs, rows, cache, feed, pos, all_rows):
+    def _add(tokens, positions, segs, rows, cache, feed, pos, first_row):
+        """Append ``feed`` at ``pos`` over ``cache``; logits wanted from ``feed[first_row]`` on."""
         start = len(tokens)
         tokens += feed
         positions += range(pos, pos + len(feed))
         segs.append(Segment(cache, len(feed)))
-        rows += range(start, start + len(feed)) if all_rows else [start + len(feed) - 1]
+        rows += range(start + first_row, start + len(feed))
 
-    def _take_drafts(self, r: Request, feed: list[int], logits: Tensor, sampling: Sampling) -> None:
-        proposed = feed[1:]
+    def _take_drafts(self, r: Request, proposed: list[int], logits: Tensor, sampling: Sampling) -> None:
         if proposed:
             # Stacked proposer: the drafter checks the n-gram guesses like a verifier (one-hot proposal
             # distribution), so the drafts it passes on still follow its own distribution q.
@@ -270,6 +342,9 @@ class VeriCacheEngine:
         r.stats.swap_wait_s += time.perf_counter() - t0
         r.stats.swap_s += r.swap.seconds
         r.stats.bytes_moved += r.swap.nbytes
+        if misses:
+            logger.warning("request %d: %d of %d full prefix chunks missed in the store (chunks %s); "
+                           "recomputing their exact KV from the tokens", r.idx, len(misses), len(r.keys), misses)
         for i in misses:  # never verify against wrong KV: recompute the chunk from its tokens
             c, n = self.chunk_size, r.full.n
             r.full.n = i * c
@@ -281,10 +356,10 @@ class VeriCacheEngine:
     def _verify(self, r: Request, logits: Tensor, sampling: Sampling) -> None:
         t = r.pos
         k, nxt = accept(r.drafts, r.qs if not sampling.greedy else None, logits, sampling, r.gen)
-        # Commit the exact KV of the fed tokens that were accepted: tokens[-1] and drafts[:k].
+        # Commit the exact KV of the fed tokens that were accepted: tokens[start:] and drafts[:k].
         r.full.n = t + k + 1
         r.draft.n = t - r.prefix + k + 1
-        r.draft.write_suffix(t - r.prefix, *r.full.suffix(t, t + k + 1))
+        r.draft.write_suffix(r.start - r.prefix, *r.full.suffix(r.start, t + k + 1))
         drafted = len(r.drafts)
         r.stats.rounds += 1
         r.stats.accepted.append(k)
@@ -293,6 +368,7 @@ class VeriCacheEngine:
         r.horizon.update(drafted, k, step_s, r.swap.seconds if r.swap is not None else 0.0)
         r.swap = None
         self._emit(r, r.drafts[:k] + [nxt])
+        r.start = r.pos
         if self._on_round is not None:
             self._on_round(r)
         if not r.done:
@@ -304,6 +380,8 @@ class VeriCacheEngine:
         return sampling.pick(logits, r.gen)[0]
 
     def _emit(self, r: Request, new: list[int]) -> None:
+        if not r.stats.ttft_s:
+            r.stats.ttft_s = time.perf_counter() - r.t0
         for t in new[:r.remaining]:
             r.tokens.append(t)
             if t in self.eos_ids:
@@ -331,3 +409,20 @@ def _as_batch(prompts: Prompts, vocab: int) -> list[list[int]]:
         if not all(isinstance(t, int) and 0 <= t < vocab for t in p):
             raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
     return batch
+
+
+def _resolve_compressor(compressor: str | KVCompressor | None, params: dict[str, Any] | None,
+                        store: DualTierStore | None) -> KVCompressor:
+    """The one compressor object of engine and store (the store compresses on put; the engine
+    decompresses what the store returns)."""
+    if isinstance(compressor, str):
+        compressor = compressors.get(compressor, **(params or {}))
+    elif params:
+        raise ValueError("compressor_params only apply when compressor is given by name")
+    if store is None:
+        return compressor if compressor is not None else compressors.get("int8")
+    ours = store.compressor
+    if compressor is not None and (compressor.name, compressor.params()) != (ours.name, ours.params()):
+        raise ValueError(f"compressor {compressor.name} {compressor.params()} differs from the store's "
+                         f"{ours.name} {ours.params()}; pass compressor=None to use the store's")
+    return ours

@@ -30,7 +30,9 @@ class RequestStats:
     swap_s: float = 0.0
     swap_wait_s: float = 0.0
     bytes_moved: int = 0
-    recomputed_chunks: int = 0
+    recomputed_chunks: int = 0  # full chunks the store missed (or served damaged), recomputed from tokens
+    cached_chunks: int = 0  # prompt chunks taken from the store instead of prefilled (shared prefix)
+    ttft_s: float = 0.0  # from the start of generate() to the request's first emitted token
     compressed_bytes: int = 0
     full_prefix_bytes: int = 0
 
@@ -66,9 +68,11 @@ class Result:
 
 @dataclass
 class Request:
-    """Invariant between rounds: both caches hold the exact-or-draft KV of ``tokens[:-1]``; the last
-    token (the target's own) is fed first in the next round. The full cache holds all positions; the
-    draft cache holds the compressed prefix (``prefix`` tokens) then positions ``prefix...``."""
+    """Invariant between rounds: both caches hold the exact-or-draft KV of ``tokens[:start]`` and the
+    next round feeds ``tokens[start:]`` first: the last token (the target's own), or, before the first
+    round of a prompt whose prefix came from the store, the uncached prompt tail. The full cache holds
+    all positions; the draft cache holds the compressed prefix (``prefix`` tokens) then positions
+    ``prefix...``."""
 
     idx: int
     tokens: list[int]
@@ -78,6 +82,8 @@ class Request:
     draft: KVCache | None = None
     prefix: int = 0
     keys: list[str] = field(default_factory=list)
+    start: int = 0  # position of the first token the round feeds (the tail of a cached prompt, else pos)
+    t0: float = 0.0  # arrival time (perf_counter)
     gen: torch.Generator | None = None
     horizon: Horizon | None = None
     stats: RequestStats = field(default_factory=RequestStats)

@@ -1,9 +1,9 @@
-"""Where the full prefix KV lives between verifications, and the background swap-in.
+"""Chunk keys of a prompt and the background swap-in of its full prefix KV.
 
-A *source* is anything with ``put(key, kv)`` (optional) and ``prefetch(keys) -> handle`` whose
-``handle.wait()`` returns one ``Tensor | None`` per key (``None`` = miss) and ``handle.cancel()``.
-The dual-tier store's ``PrefetchHandle`` (``wait(i=None, timeout=None)``) fits as is. Chunks are in
-LMCache's ``KV_2LTD`` layout ``[2, layers, tokens, kv_heads*head_dim]``.
+The full prefix KV lives between verifications in the project's :class:`~lmcache_vericache.backends.
+DualTierStore` (one checksummed full-chunk format, one disk tier, one store); anything with the
+:class:`Source` shape fits. Chunks are in LMCache's ``KV_2LTD`` layout ``[2, layers, tokens,
+kv_heads*head_dim]``.
 
 :class:`SwapIn` runs one round's swap on a background thread: it asks the source for the chunks and
 copies each into the request's preallocated verify buffer as it arrives. The engine starts it when
@@ -15,13 +15,10 @@ stream wait for it.
 from __future__ import annotations
 
 import hashlib
-import os
-import threading
+import json
 import time
-import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
-from typing import Any, Protocol
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -32,7 +29,7 @@ Tensor = torch.Tensor
 
 
 class Handle(Protocol):
-    def wait(self) -> list[Tensor | None]: ...
+    def wait(self, i: int | None = None, timeout: float | None = None): ...  # chunk i: Tensor | None (miss)
     def cancel(self) -> None: ...
 
 
@@ -41,7 +38,7 @@ class Source(Protocol):
 
 
 def chunk_keys(tokens: list[int], chunk_size: int, salt: str = "") -> list[str]:
-    """Chained prefix hashes (LMCache style): chunk i's key depends on every token before it end."""
+    """Chained prefix hashes (LMCache style): chunk i's key depends on every token before its end."""
     keys, h = [], salt.encode()
     for s in range(0, len(tokens) - chunk_size + 1, chunk_size):
         h = hashlib.sha256(h + np.asarray(tokens[s:s + chunk_size], dtype=np.int64).tobytes()).digest()
@@ -49,85 +46,19 @@ def chunk_keys(tokens: list[int], chunk_size: int, salt: str = "") -> list[str]:
     return keys
 
 
-class _Ready:
-    """A handle whose results are already known (memory) or computed by a future (file)."""
-
-    def __init__(self, results: list[Tensor | None] | Future):
-        self._r = results
-
-    def wait(self, i: int | None = None, timeout: float | None = None):
-        r = self._r.result(timeout) if isinstance(self._r, Future) else self._r
-        return r if i is None else r[i]
-
-    def cancel(self) -> None:
-        if isinstance(self._r, Future):
-            self._r.cancel()
-
-
-class MemorySource:
-    """Full chunks in host memory (a dict), as a CPU tier would hold them."""
-
-    def __init__(self) -> None:
-        self.chunks: dict[str, Tensor] = {}
-
-    def put(self, key: str, kv: Tensor) -> None:
-        self.chunks.setdefault(key, kv.detach().to("cpu", copy=True).contiguous())
-
-    def prefetch(self, keys: list[str]) -> _Ready:
-        return _Ready([self.chunks.get(k) for k in keys])
-
-
-class FileSource:
-    """One file per full chunk: a 16-byte header (crc32, dtype, shape) and the raw bytes. Written
-    atomically; a missing, truncated or corrupt file reads as a miss (verification must never see
-    wrong KV)."""
-
-    _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
-    def __init__(self, root: str | os.PathLike, threads: int = 2):
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="vericache-file")
-
-    def _path(self, key: str) -> Path:
-        return self.root / f"{key}.kv"
-
-    def put(self, key: str, kv: Tensor) -> None:
-        path = self._path(key)
-        if path.exists():
-            return
-        kv = kv.detach().cpu().contiguous()
-        raw = kv.view(torch.uint8).numpy().tobytes() if kv.dtype != torch.bfloat16 else kv.view(torch.int16).numpy().tobytes()
-        head = np.array([zlib.crc32(raw), self._DTYPES[kv.dtype], *kv.shape], dtype=np.uint32)
-        tmp = path.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
-        with open(tmp, "wb") as f:
-            f.write(head.tobytes())
-            f.write(raw)
-        os.replace(tmp, path)
-
-    def _read(self, key: str) -> Tensor | None:
-        try:
-            data = self._path(key).read_bytes()
-        except OSError:
-            return None
-        if len(data) < 24:
-            return None
-        head = np.frombuffer(data[:24], dtype=np.uint32)
-        crc, code, shape = int(head[0]), int(head[1]), tuple(int(s) for s in head[2:6])
-        dtype = next((d for d, c in self._DTYPES.items() if c == code), None)
-        body = data[24:]
-        if dtype is None or zlib.crc32(body) != crc:
-            return None
-        n = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-        if len(body) != n:
-            return None
-        return torch.frombuffer(bytearray(body), dtype=torch.uint8).view(dtype).view(shape)
-
-    def prefetch(self, keys: list[str]) -> _Ready:
-        return _Ready(self._pool.submit(lambda: [self._read(k) for k in keys]))
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
+@torch.inference_mode()
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """Identity of a model's weights and shape, equal in every process that loads the same model.
+    Chunk keys are salted with it: KV of one model must never verify another's drafts. The config
+    alone names the architecture, not the weights, so the first values of every tensor join it."""
+    cfg = model.config
+    h = hashlib.sha256(json.dumps({k: str(getattr(cfg, k, None)) for k in (
+        "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+        "head_dim", "vocab_size", "rope_theta", "rope_scaling", "rms_norm_eps")}, sort_keys=True).encode())
+    for name, p in model.named_parameters():
+        h.update(name.encode())
+        h.update(p.detach().reshape(-1)[:16].float().cpu().numpy().tobytes())
+    return h.hexdigest()[:32]
 
 
 _SWAP_POOL = ThreadPoolExecutor(2, thread_name_prefix="vericache-swap")
@@ -136,11 +67,13 @@ _SWAP_POOL = ThreadPoolExecutor(2, thread_name_prefix="vericache-swap")
 class SwapIn:
     """One round's swap of ``keys`` into ``cache`` entries ``[i*chunk, (i+1)*chunk)`` (base 0)."""
 
-    def __init__(self, source: Any, keys: list[str], cache: KVCache, chunk_size: int):
+    def __init__(self, source: Source, keys: list[str], cache: KVCache, chunk_size: int):
         self.nbytes = 0
         self.seconds = 0.0
         self.misses: list[int] = []
         self._cache, self._chunk = cache, chunk_size
+        layers, heads, _, d = cache.k.shape
+        self._shape = (2, layers, chunk_size, heads * d)
         self._stream = torch.cuda.Stream() if cache.k.is_cuda else None
         self._event: torch.cuda.Event | None = None
         self._handle = source.prefetch(keys)
@@ -149,9 +82,9 @@ class SwapIn:
 
     def _run(self) -> None:
         t0 = time.perf_counter()
-        results = self._handle.wait()
-        for i, kv in enumerate(results):
-            if kv is None or kv.shape[2] != self._chunk or kv.dtype != self._cache.k.dtype:
+        for i in range(self._n):  # copy each chunk as soon as it is read, in order
+            kv = self._handle.wait(i)
+            if kv is None or tuple(kv.shape) != self._shape or kv.dtype != self._cache.k.dtype:
                 self.misses.append(i)
                 continue
             if self._stream is not None:

@@ -1,6 +1,7 @@
 """Round mechanics on the tiny model: commit/rollback leave caches equal to a fresh prefill, EOS and
 max_new_tokens stop exactly, scheduling (adaptive L, staggering, lock step, n-gram stacking) changes
-speed but never tokens, and swap misses or corrupt full chunks fall back to recomputation."""
+speed but never tokens, and swap misses or corrupt full chunks in the store (real files, damaged in
+place) fall back to recomputation."""
 
 from __future__ import annotations
 
@@ -9,14 +10,9 @@ import torch
 from engine_helpers import random_prompts
 
 from lmcache_vericache import compressors as C
-from lmcache_vericache.engine import (
-    FileSource,
-    MemorySource,
-    NgramProposer,
-    Runtime,
-    Segment,
-    VeriCacheEngine,
-)
+from lmcache_vericache.backends import DiskTier, DualTierStore, MemoryTier, encode_full
+from lmcache_vericache.backends.store import FULL_SUFFIX
+from lmcache_vericache.engine import NgramProposer, Runtime, Segment, VeriCacheEngine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SL = ("streamingllm", {"keep_ratio": 0.25})  # evicts 3/4: plenty of rejections
@@ -90,37 +86,74 @@ def test_adaptive_horizon_grows_on_full_acceptance(tiny_model):
     assert max(out.stats.drafted) == 32 and out.stats.drafted[0] == 8
 
 
-class _Lossy(MemorySource):
-    """A source that misses some chunks and returns a wrong-length chunk for another."""
-
-    def prefetch(self, keys):
-        h = super().prefetch(keys)
-        vals = h.wait()
-        return type(h)([None if i % 2 else (v[:, :, :10] if i == 2 else v) for i, v in enumerate(vals)])
-
-
 def test_swap_misses_are_recomputed(tiny_model):
+    """Full chunks gone from the store (deleted) or stored with the wrong length are misses: every
+    round recomputes them and the tokens stay identical."""
     prompts = random_prompts(2, [400, 300])
     ref = _eng(tiny_model).reference(prompts, 40)
-    out = _eng(tiny_model, source=_Lossy()).generate(prompts, 40)
+    store = DualTierStore(C.get(SL[0], **SL[1]), MemoryTier(1 << 30), num_kv_heads=Runtime(tiny_model).num_kv_heads)
+    eng = _eng(tiny_model, source=store)
+    assert eng.compressor is store.compressor  # one compressor: the store compresses, the engine decompresses
+    first = eng.generate(prompts, 40)
+    assert [o.tokens for o in first] == [r.tokens for r in ref]
+    assert [o.stats.cached_chunks for o in first] == [0, 0] and store.stats.puts == 6 + 4
+    for p in prompts:  # damage the stored prompt chunks: odd ones deleted, chunk 2 cut to 10 tokens
+        for i, key in enumerate(eng.chunk_keys(p)):
+            if i % 2:
+                store.capacity.delete(key + FULL_SUFFIX)
+            elif i == 2:
+                store.capacity.put(key + FULL_SUFFIX, encode_full(store.get_full(key)[:, :, :10].clone()))
+    out = eng.generate(prompts, 40)  # the prompts' prefixes now come from the store: cached path
     assert [o.tokens for o in out] == [r.tokens for r in ref]
-    assert all(o.stats.recomputed_chunks >= o.stats.rounds for o in out)
+    assert [o.stats.cached_chunks for o in out] == [(400 - 1) // 64, (300 - 1) // 64]
+    assert out[0].stats.recomputed_chunks == 4 * out[0].stats.rounds  # chunks 1, 2, 3, 5 of 6
+    assert out[1].stats.recomputed_chunks == 3 * out[1].stats.rounds  # chunks 1, 2, 3 of 4
 
 
 def test_file_source_and_corruption(tiny_model, tmp_path):
     prompts = random_prompts(1, [300])
     ref = _eng(tiny_model).reference(prompts, 40)
     eng = _eng(tiny_model, source="file", swap_dir=str(tmp_path))
+    assert isinstance(eng.store.capacity, DiskTier) and eng.compressor is eng.store.compressor
     [out] = eng.generate(prompts, 40)
     assert out.tokens == ref[0].tokens and out.stats.recomputed_chunks == 0
     assert out.stats.bytes_moved == out.stats.rounds * 256 * Runtime(tiny_model).kv_bytes_per_token()
-    for f in sorted(tmp_path.glob("*.kv"))[:2]:  # flip a byte in two chunk files
+    tier = eng.store.capacity
+    for key in eng.chunk_keys(prompts[0])[:2]:  # flip a byte in two full-chunk files
+        f = tier._file(key + FULL_SUFFIX)
         raw = bytearray(f.read_bytes())
         raw[-7] ^= 0x40
         f.write_bytes(bytes(raw))
+    corrupt = eng.store.stats.corrupt
     [out] = eng.generate(prompts, 40)
     assert out.tokens == ref[0].tokens and out.stats.recomputed_chunks == 2 * out.stats.rounds
-    assert isinstance(eng.source, FileSource)
+    assert out.stats.cached_chunks == 4  # second call: the prefix came from the store
+    assert eng.store.stats.corrupt - corrupt == 2 * out.stats.rounds  # counted, never verified against
+
+
+def test_shared_prefix_from_the_store(tiny_model):
+    """A second engine on the same store skips the prefill of the chunks it finds there; a batch
+    whose second prompt shares the first one's prefix does too; another model never shares keys."""
+    from lmcache_vericache.models import tiny_llama
+
+    a = random_prompts(1, [300], seed=5)[0]
+    b = a[:200] + random_prompts(1, [90], seed=6)[0]  # shares chunks 0-2 (192 tokens) with a
+    ref = _eng(tiny_model).reference([a, b], 40)
+    store = DualTierStore(C.get(SL[0], **SL[1]), MemoryTier(1 << 30), num_kv_heads=Runtime(tiny_model).num_kv_heads)
+    [out_a] = _eng(tiny_model, source=store).generate([a], 40)
+    [out_b] = _eng(tiny_model, source=store).generate([b], 40)
+    assert out_a.tokens == ref[0].tokens and out_b.tokens == ref[1].tokens
+    assert out_a.stats.cached_chunks == 0 and out_b.stats.cached_chunks == 3
+    assert out_b.stats.ttft_s > 0 and out_b.stats.recomputed_chunks == 0
+    # the first verify consumed the tail: the exact prefix was swapped in every round, tail included
+    assert out_b.stats.bytes_moved == out_b.stats.rounds * 192 * Runtime(tiny_model).kv_bytes_per_token()
+    fresh = DualTierStore(C.get(SL[0], **SL[1]), MemoryTier(1 << 30), num_kv_heads=Runtime(tiny_model).num_kv_heads)
+    both = _eng(tiny_model, source=fresh, draft_len="auto").generate([a, b], 40)
+    assert [o.tokens for o in both] == [r.tokens for r in ref]
+    assert [o.stats.cached_chunks for o in both] == [0, 3]
+    other = tiny_llama(seed=1)
+    [o] = _eng(other, source=store).generate([a], 5)
+    assert o.stats.cached_chunks == 0 and _eng(other).chunk_keys(a) != _eng(tiny_model).chunk_keys(a)
 
 
 def test_swap_is_really_used(tiny_model):
@@ -146,3 +179,7 @@ def test_bad_input(tiny_model):
         VeriCacheEngine(tiny_model, "int8", source="tape")
     with pytest.raises(ValueError, match="swap_dir"):
         VeriCacheEngine(tiny_model, "int8", source="file")
+    store = DualTierStore(C.get("int8"), MemoryTier(1 << 20), num_kv_heads=Runtime(tiny_model).num_kv_heads)
+    with pytest.raises(ValueError, match="differs from the store"):
+        VeriCacheEngine(tiny_model, "kivi", source=store)
+    assert VeriCacheEngine(tiny_model, source=store).compressor is store.compressor

@@ -60,12 +60,15 @@ def _exact_joint(model, prompt: list[int]) -> torch.Tensor:
     return joint.exp().reshape(-1)  # index t1*V*V + t2*V + t3
 
 
-def _emitted_joint(model, prompt: list[int]) -> torch.Tensor:
+def _emitted_joint(model, prompt: list[int], cached: bool = False) -> torch.Tensor:
     eng = VeriCacheEngine(model, "streamingllm", {"keep_ratio": 0.25, "n_sink": 1}, chunk_size=16, draft_len=2,
                           eos_ids=set())  # token 2 is the config's EOS; the exact joint assumes no stop
+    if cached:  # the prompt's prefix is in the store: the first verify block is the prompt tail + drafts
+        eng.generate([prompt], 1)
     outs = eng.generate([prompt] * N, 3, temperature=1.0, seed=1234)
     idx = torch.tensor([o.tokens[0] * VOCAB * VOCAB + o.tokens[1] * VOCAB + o.tokens[2] for o in outs])
     assert sum(o.stats.rounds for o in outs) >= N  # the tokens after the first really went through draft/verify
+    assert all(o.stats.cached_chunks == (3 if cached else 0) for o in outs)
     return torch.bincount(idx, minlength=VOCAB ** 3).float()
 
 
@@ -79,9 +82,10 @@ def _biased_accept(drafts, q, target_logits, sampling, gen):
     return len(drafts), int(torch.multinomial(p[-1], 1, generator=gen))
 
 
-def test_engine_sampling_matches_full_kv(sharp_tiny, one_thread):
+@pytest.mark.parametrize("cached", [False, True], ids=["prefilled", "prefix-from-store"])
+def test_engine_sampling_matches_full_kv(sharp_tiny, one_thread, cached):
     prompt = torch.randint(0, VOCAB, (64,), generator=torch.Generator().manual_seed(0)).tolist()
-    assert _pvalue(_emitted_joint(sharp_tiny, prompt), _exact_joint(sharp_tiny, prompt)) > 1e-3
+    assert _pvalue(_emitted_joint(sharp_tiny, prompt, cached), _exact_joint(sharp_tiny, prompt)) > 1e-3
 
 
 def test_biased_verifier_is_caught(sharp_tiny, one_thread, monkeypatch):
@@ -91,10 +95,11 @@ def test_biased_verifier_is_caught(sharp_tiny, one_thread, monkeypatch):
 
 
 def test_sampling_is_seeded(tiny_model, one_thread):
-    eng = VeriCacheEngine(tiny_model, "int8", chunk_size=32, draft_len=4)
+    # Two engines in the same state (empty stores): a second call on one engine would find the prompt's
+    # prefix in its store, draft on a different schedule and draw another sample of the same distribution.
     prompt = list(range(100))
-    a = eng.generate([prompt, prompt], 20, temperature=0.9, top_k=50, seed=7)
-    b = eng.generate([prompt, prompt], 20, temperature=0.9, top_k=50, seed=7)
+    a, b = (VeriCacheEngine(tiny_model, "int8", chunk_size=32, draft_len=4).generate(
+        [prompt, prompt], 20, temperature=0.9, top_k=50, seed=7) for _ in range(2))
     assert [r.tokens for r in a] == [r.tokens for r in b]
     assert a[0].tokens != a[1].tokens  # request i uses seed + i
 
