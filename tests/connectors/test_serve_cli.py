@@ -15,7 +15,7 @@ def _argv(capsys, *args):
 def test_serve_builds_the_vllm_command(capsys):
     argv = _argv(capsys, "--compressor", "kivi", "--compressor-params", '{"bits": 2}', "--lmcache",
                  "--lmcache-port", "6000", "--", "--max-num-seqs", "4")
-    assert argv[argv.index("-m") + 1:argv.index("-m") + 4] == ["vllm.entrypoints.cli.main", "serve", "/m"]
+    assert argv[argv.index("-m") + 1:argv.index("-m") + 4] == ["vllm.entrypoints.openai.api_server", "--model", "/m"]
     spec = json.loads(argv[argv.index("--speculative-config") + 1])
     assert spec["method"] == "custom_class" and spec["model"].endswith("CompressedKVProposer")
     extra = json.loads(argv[argv.index("--additional-config") + 1])["vericache_proposer"]
