@@ -3,11 +3,16 @@ against plain full-KV greedy decoding of the same model in the same runtime (``-
 
 The prompt is the first ``--prompt-tokens`` tokens of ``--prompt-file`` (default: a file of Python's
 standard library). Prints one JSON object with ``--json``.
+
+``--store-config`` puts the full and compressed KV in a dual-tier store built from JSON (the keys of
+``DualTierStore.from_config``), e.g. a Redis server shared by several runs: a run whose prompt
+starts with chunks another run stored skips their prefill (``cached_chunks`` in the output).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -18,7 +23,8 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("generate", help="lossless compressed-KV draft/verify decoding of a file",
                               description=__doc__)
     p.add_argument("--model", default="smollm2", choices=["smollm2"], help="model (default smollm2)")
-    p.add_argument("--compressor", default="streamingllm", help="draft KV compressor (default streamingllm)")
+    p.add_argument("--compressor", default=None,
+                   help="draft KV compressor (default: the --store-config one, else streamingllm)")
     p.add_argument("--compressor-params", default=None, metavar="JSON",
                    help='compressor parameters as a JSON object, e.g. \'{"keep_ratio": 0.25}\'')
     p.add_argument("--prompt-file", default=None, help=f"prompt text file (default: stdlib {DEFAULT_STDLIB})")
@@ -30,21 +36,35 @@ def add_parser(subparsers) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--source", default="memory", choices=["memory", "file", "resident"],
+    p.add_argument("--source", default=None, choices=["memory", "file", "resident"],
                    help="where the full prefix KV lives between verifications (default memory)")
+    p.add_argument("--store-config", default=None, metavar="JSON",
+                   help='dual-tier store as a JSON object of DualTierStore.from_config keys, e.g. '
+                        '\'{"capacity": "redis", "redis_url": "redis://127.0.0.1:6379/0"}\'; compressor, '
+                        'compressor_params and num_kv_heads default to the run\'s (replaces --source)')
     p.add_argument("--swap-dir", default=None, help="folder for --source file (default: a temporary folder)")
     p.add_argument("--ngram", action="store_true", help="stack a prompt-lookup proposer in front of the drafter")
     p.add_argument("--reference", action="store_true", help="also run plain full-KV greedy decoding and compare")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _parse(args: argparse.Namespace) -> tuple[dict, int | str]:
+def _json_object(text: str | None, flag: str) -> dict | None:
+    if text is None:
+        return None
     try:
-        params = json.loads(args.compressor_params) if args.compressor_params else {}
+        obj = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"--compressor-params is not valid JSON: {e}") from e
-    if not isinstance(params, dict):
-        raise ValueError("--compressor-params must be a JSON object")
+        raise ValueError(f"{flag} is not valid JSON: {e}") from e
+    if not isinstance(obj, dict):
+        raise ValueError(f"{flag} must be a JSON object")
+    return obj
+
+
+def _parse(args: argparse.Namespace) -> tuple[dict, int | str, dict | None]:
+    params = _json_object(args.compressor_params, "--compressor-params") or {}
+    store_config = _json_object(args.store_config, "--store-config")
+    if store_config is not None and (args.source is not None or args.swap_dir is not None):
+        raise ValueError("--store-config replaces --source/--swap-dir; give one or the other")
     draft_len: int | str = args.draft_len
     if draft_len != "auto":
         try:
@@ -55,7 +75,7 @@ def _parse(args: argparse.Namespace) -> tuple[dict, int | str]:
         raise ValueError("--reference compares against greedy decoding; use --temperature 0")
     if args.prompt_tokens < 0:
         raise ValueError("--prompt-tokens must be >= 0")
-    return params, draft_len
+    return params, draft_len, store_config
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,12 +84,14 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
+    from ..backends import DualTierStore, TierError
     from ..data import stdlib_path
     from ..engine import NgramProposer, VeriCacheEngine
     from ..models import load_model
 
+    store = None
     try:
-        params, draft_len = _parse(args)
+        params, draft_len, store_config = _parse(args)
         path = Path(args.prompt_file) if args.prompt_file else stdlib_path(DEFAULT_STDLIB)
         if not path.is_file():
             raise ValueError(f"prompt file not found: {path}")
@@ -80,23 +102,36 @@ def run(args: argparse.Namespace) -> int:
             ids = ids[:args.prompt_tokens]
         if not ids:
             raise ValueError(f"prompt file {path} has no tokens")
-        swap_dir = args.swap_dir or (tempfile.mkdtemp(prefix="vericache-swap-") if args.source == "file" else None)
-        eng = VeriCacheEngine(model, args.compressor, params, draft_len=draft_len, source=args.source,
+        source = args.source or "memory"
+        swap_dir = args.swap_dir or (tempfile.mkdtemp(prefix="vericache-swap-") if source == "file" else None)
+        compressor, compressor_params = args.compressor or "streamingllm", params
+        if store_config is not None:
+            store_config.setdefault("compressor", compressor)
+            store_config.setdefault("compressor_params", params)
+            store_config.setdefault("num_kv_heads", model.config.num_key_value_heads)
+            source = store = DualTierStore.from_config(store_config)
+            if args.compressor is None:  # take the store's; one given by name must match it
+                compressor, compressor_params = None, None
+        eng = VeriCacheEngine(model, compressor, compressor_params, draft_len=draft_len, source=source,
                               swap_dir=swap_dir, ngram=NgramProposer() if args.ngram else None)
         [res] = eng.generate([ids], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                              top_p=args.top_p, seed=args.seed)
-    except ValueError as e:
+    except (ValueError, TierError) as e:
+        if store is not None:
+            store.close()
         print(f"vericache generate: error: {e}", file=sys.stderr)
         return 2
     s = res.stats
     out = {
-        "model": args.model, "compressor": args.compressor, "compressor_params": eng.compressor.params(),
+        "model": args.model, "compressor": eng.compressor.name, "compressor_params": eng.compressor.params(),
         "prompt_file": str(path), "prompt_tokens": ids, "tokens": res.tokens,
         "text": tok.decode(res.tokens), "rounds": s.rounds, "mean_accepted": s.mean_accepted,
         "accepted_per_round": s.accepted, "drafted_per_round": s.drafted,
         "hidden_swap_fraction": s.hidden_swap_fraction, "bytes_moved": s.bytes_moved,
         "compression_ratio": s.compression_ratio, "draft_s": s.draft_s, "verify_s": s.verify_s,
-        "swap_s": s.swap_s, "swap_wait_s": s.swap_wait_s, "prefill_s": s.prefill_s,
+        "swap_s": s.swap_s, "swap_wait_s": s.swap_wait_s, "prefill_s": s.prefill_s, "ttft_s": s.ttft_s,
+        "cached_chunks": s.cached_chunks, "recomputed_chunks": s.recomputed_chunks,
+        "store": dataclasses.asdict(eng.store.stats) if eng.store is not None else None,
     }
     if args.reference:
         [ref] = eng.reference([ids], args.max_new_tokens)
@@ -106,13 +141,17 @@ def run(args: argparse.Namespace) -> int:
             i = next((j for j, (a, b) in enumerate(zip(res.tokens, ref.tokens)) if a != b),
                      min(len(res.tokens), len(ref.tokens)))
             out["divergence"] = {"position": i, "reference_logit_margin": ref.margins[i] if i < len(ref.margins) else None}
+    eng.close()
+    if store is not None:
+        store.close()
     if args.json:
         print(json.dumps(out))
     else:
         print(out["text"])
         print(f"\n-- {len(ids)} prompt tokens, {len(res.tokens)} new, {s.rounds} rounds, "
               f"{s.mean_accepted:.1f} tokens/round, compression {s.compression_ratio:.1f}x, "
-              f"swap hidden {100 * s.hidden_swap_fraction:.0f}%", file=sys.stderr)
+              f"swap hidden {100 * s.hidden_swap_fraction:.0f}%, {s.cached_chunks} prompt chunks from the store, "
+              f"first token after {s.ttft_s:.2f} s", file=sys.stderr)
         if args.reference:
             print(f"-- identical to full-KV greedy: {out['identical']}", file=sys.stderr)
     return 0 if out.get("identical", True) else 1

@@ -133,6 +133,11 @@ class VeriCacheEngine:
             active = [r for r in reqs if not r.done]
             if not active:
                 break
+            for r in active:
+                # A cached prompt's first round drafts only while its exact prefix is still arriving:
+                # once it is in, verifying the tail at once gives the first token soonest.
+                if r.start < r.pos and r.swap is not None and r.swap.done:
+                    r.limit = min(r.limit, len(r.drafts))
             drafting = [r for r in active if len(r.drafts) < r.limit]
             # Lock step: nobody verifies while anybody still drafts.
             verifying = [r for r in active if len(r.drafts) >= r.limit] if (stagger or not drafting) else []

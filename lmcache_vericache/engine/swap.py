@@ -99,6 +99,11 @@ class SwapIn:
             self._event.synchronize()
         self.seconds = time.perf_counter() - t0
 
+    @property
+    def done(self) -> bool:
+        """Every chunk is in place or known missing (``wait`` will not block on I/O)."""
+        return self._future.done()
+
     def wait(self) -> list[int]:
         """Block until every chunk is in place; returns the indices of missed chunks."""
         self._future.result()

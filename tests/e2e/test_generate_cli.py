@@ -34,6 +34,9 @@ def test_generate_reference_identical(tmp_path):
     (["--draft-len", "many"], "--draft-len"),
     (["--reference", "--temperature", "0.8"], "greedy"),
     (["--prompt-file", "/nonexistent/file.py"], "not found"),
+    (["--store-config", "{bad"], "--store-config is not valid JSON"),
+    (["--store-config", "[1]"], "JSON object"),
+    (["--store-config", '{"capacity": "memory"}', "--source", "file"], "replaces --source"),
 ])
 def test_bad_arguments(argv, msg, capsys):
     assert main(["generate", *argv, "--json"]) == 2
