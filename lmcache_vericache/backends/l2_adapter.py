@@ -177,7 +177,7 @@ class VeriCacheL2Adapter(L2AdapterInterface):
         failures, stored, sizes = 0, [], []
         for key, obj in zip(keys, objects, strict=True):
             skey = object_key_str(key)
-            if self.store.contains(skey):
+            if self.store.has_full(skey):
                 continue
             try:
                 # Only split K/V planes have token rows worth compressing (see kv_2ltd_view).
@@ -204,7 +204,7 @@ class VeriCacheL2Adapter(L2AdapterInterface):
 
     def _lookup(self, keys: list[ObjectKey]) -> Bitmap:
         bitmap = Bitmap(len(keys))
-        hits = [i for i, k in enumerate(keys) if self.store.contains(object_key_str(k))]
+        hits = [i for i, k in enumerate(keys) if self.store.has_full(object_key_str(k))]
         bitmap.batched_set(hits)
         self._count(lookups=len(keys), lookup_hits=len(hits))
         return bitmap

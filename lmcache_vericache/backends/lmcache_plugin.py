@@ -139,7 +139,7 @@ class VeriCacheBackend(StoragePluginInterface):
 
     # -- lookup ---------------------------------------------------------------------------------
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
-        return not self._closed and self.store.contains(key.to_string())
+        return not self._closed and self.store.has_full(key.to_string())
 
     def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
         with self._lock:
@@ -172,7 +172,7 @@ class VeriCacheBackend(StoragePluginInterface):
             if obj.get_memory_format() != MemoryFormat.KV_2LTD:
                 logger.error("%s: cannot store %s in format %s", self, key, obj.get_memory_format())
                 continue
-            if self.exists_in_put_tasks(key) or self.store.contains(key.to_string()):
+            if self.exists_in_put_tasks(key) or self.store.has_full(key.to_string()):
                 continue  # (a racing duplicate put is harmless: same bytes, atomic tier writes)
             with self._lock:
                 obj.ref_count_up()  # released by _write once the store has copied it

@@ -163,6 +163,10 @@ class DualTierStore:
         CPU paged blocks as LMCache's MP server hands them over): a compressed copy of those
         bytes would serve no drafter and cost a compression per chunk."""
         self._check_open()
+        if self.has_full(key) and (not compress or self.capacity.contains(key + COMPRESSED_SUFFIX)):
+            # Keys name immutable content (chained prefix hashes): a committed chunk, ours or
+            # another instance's, is never rewritten, so a failing rewrite cannot delete it.
+            return
         full_blob = encode_full(full)
         if not compress:
             self._put_or_raise(key + FULL_SUFFIX, full_blob, key)
@@ -229,6 +233,11 @@ class DualTierStore:
         (a hint: a later read may miss)."""
         return (key in self._hot or self.capacity.contains(key + COMPRESSED_SUFFIX)
                 or self.capacity.contains(key + FULL_SUFFIX))
+
+    def has_full(self, key: str) -> bool:
+        """The full chunk is in the capacity tier (what exact-KV consumers such as LMCache need;
+        a hint: a later read may still miss)."""
+        return self.capacity.contains(key + FULL_SUFFIX)
 
     # -- full path ------------------------------------------------------------------------------
     def get_full(self, key: str) -> Tensor | None:

@@ -252,3 +252,26 @@ def test_full_only_put_is_contained_and_served_full(tmp_path):
         assert store.contains("k")
         assert store.get_compressed("k") is None
         assert torch.equal(store.get_full("k"), kv)
+
+
+def test_committed_chunk_is_never_rewritten(tmp_path):
+    """Keys name immutable content: a second put of a committed key writes nothing, so a
+    failing rewrite can never delete the chunk another instance stored."""
+    a = torch.randn(2, 2, 16, 8)
+    with DualTierStore(compressors.get("int8"), DiskTier(tmp_path), num_kv_heads=2) as store:
+        store.put("k", a)
+        written = store.stats.bytes_written
+        store.put("k", torch.zeros_like(a))
+        assert store.stats.bytes_written == written
+        assert torch.equal(store.get_full("k"), a)
+
+
+def test_has_full_tracks_the_full_copy_not_the_compressed_one(tmp_path):
+    """Exact-KV consumers (LMCache lookups) must not see a hit when only the compressed copy
+    is left."""
+    tier = DiskTier(tmp_path)
+    with DualTierStore(compressors.get("int8"), tier, num_kv_heads=2) as store:
+        store.put("k", torch.randn(2, 2, 16, 8))
+        assert store.has_full("k")
+        tier.delete("k/full")
+        assert store.contains("k") and not store.has_full("k")
