@@ -18,7 +18,9 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$0" -nt "$stamp" ]
   # PyPI torchvision/torchaudio do not import beside the CPU torch ("torchvision::nms does not
   # exist") and break `import transformers`/`vllm`; neither needs them.
   .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-  .venv/bin/python -c "import vllm, lmcache, transformers" 2>/dev/null
+  .venv/bin/python -c "import vllm, lmcache, transformers" >/dev/null 2>&1 \
+    || { echo "setup: 'import vllm, lmcache, transformers' fails in .venv:" >&2;
+         .venv/bin/python -c "import vllm, lmcache, transformers" >/dev/null; exit 1; }
   touch "$stamp"
 fi
 # Convert the GGUF once into a Hugging Face folder cached outside the repo (checks the sha256).

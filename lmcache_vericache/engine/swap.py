@@ -74,7 +74,12 @@ class SwapIn:
         self._cache, self._chunk = cache, chunk_size
         layers, heads, _, d = cache.k.shape
         self._shape = (2, layers, chunk_size, heads * d)
-        self._stream = torch.cuda.Stream() if cache.k.is_cuda else None
+        self._stream = None
+        if cache.k.is_cuda:
+            self._stream = torch.cuda.Stream(device=cache.k.device)
+            # The side stream must not copy before the compute stream's earlier work on these
+            # buffers (the NaN poisoning, a previous verify still reading them) has run.
+            self._stream.wait_stream(torch.cuda.current_stream(cache.k.device))
         self._event: torch.cuda.Event | None = None
         self._handle = source.prefetch(keys)
         self._n = len(keys)

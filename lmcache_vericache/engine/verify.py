@@ -54,7 +54,7 @@ class Sampling:
         """One token from ``logits [V]``; with sampling also its distribution (the q to record)."""
         if self.greedy:
             return int(logits.argmax()), None
-        p = self.probs(logits)
+        p = self.probs(logits.float().cpu())  # sampling runs on the CPU, where the generators live
         return int(torch.multinomial(p, 1, generator=gen)), p
 
 
@@ -74,7 +74,9 @@ def accept(drafts: list[int], q: list[Tensor] | None, target_logits: Tensor, sam
         return k, target[k]
     if q is None or len(q) != n:
         raise ValueError("sampling verification needs the draft distribution of every draft")
-    p = sampling.probs(target_logits)
+    # On the CPU, like the per-request generators and the recorded q (see Sampling.pick).
+    p = sampling.probs(target_logits.float().cpu())
+    q = [qi.cpu() for qi in q]
     for i, x in enumerate(drafts):
         px, qx = float(p[i, x]), float(q[i][x])
         # u < p/q  <=>  u*q < p; qx > 0 always holds for a token sampled from q.
