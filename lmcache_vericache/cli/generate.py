@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
 import sys
 
 DEFAULT_STDLIB = "json/decoder.py"
@@ -89,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     from ..engine import NgramProposer, VeriCacheEngine
     from ..models import load_model
 
-    store = None
+    store, tmp_swap = None, None
     try:
         params, draft_len, store_config = _parse(args)
         path = Path(args.prompt_file) if args.prompt_file else stdlib_path(DEFAULT_STDLIB)
@@ -103,7 +104,9 @@ def run(args: argparse.Namespace) -> int:
         if not ids:
             raise ValueError(f"prompt file {path} has no tokens")
         source = args.source or "memory"
-        swap_dir = args.swap_dir or (tempfile.mkdtemp(prefix="vericache-swap-") if source == "file" else None)
+        if source == "file" and not args.swap_dir:  # ours to remove when the run ends
+            tmp_swap = tempfile.mkdtemp(prefix="vericache-swap-")
+        swap_dir = args.swap_dir or tmp_swap
         compressor, compressor_params = args.compressor or "streamingllm", params
         if store_config is not None:
             store_config.setdefault("compressor", compressor)
@@ -119,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TierError) as e:
         if store is not None:
             store.close()
+        if tmp_swap:
+            shutil.rmtree(tmp_swap, ignore_errors=True)
         print(f"vericache generate: error: {e}", file=sys.stderr)
         return 2
     s = res.stats
@@ -144,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
     eng.close()
     if store is not None:
         store.close()
+    if tmp_swap:
+        shutil.rmtree(tmp_swap, ignore_errors=True)
     if args.json:
         print(json.dumps(out))
     else:
