@@ -46,7 +46,7 @@ import torch
 
 from .. import compressors
 from ..engine.horizon import Horizon
-from ..engine.runtime import KVCache, Segment
+from ..engine.runtime import KVCache, Segment, kv_to_2ltd
 from . import paged_layout as pl
 from .vllm_model import runtime_for
 
@@ -230,9 +230,7 @@ class CompressedKVProposer:
         if best is None:
             return _State(self.rt.new_cache(max(256, len(row) + self.max_draft)), row[:0].copy(), self._horizon())
         if any(best is c for c in claimed):  # two rows with one history: give the second its own copy
-            c = best.cache
-            return _State(KVCache(c.k.clone(), c.v.clone(), list(c.base), c.n), best.tokens.copy(),
-                          self._horizon(), best.prefix)
+            return _State(best.cache.clone(), best.tokens.copy(), self._horizon(), best.prefix)
         return best
 
     def _horizon(self) -> Horizon:
@@ -246,8 +244,7 @@ class CompressedKVProposer:
         while st.prefix < upto:
             s = st.prefix
             k, v = self._read(block_ids, s, s + c)
-            kv = torch.stack([k, v]).permute(0, 1, 3, 2, 4).reshape(2, k.shape[0], c, -1)
-            ckv = self.compressor.compress(kv, self.rt.num_kv_heads, start=s)
+            ckv = self.compressor.compress(kv_to_2ltd(k, v), self.rt.num_kv_heads, start=s)
             self.stats.chunks += 1
             self.stats.compressed_bytes += ckv.nbytes
             self.stats.full_bytes += ckv.full_nbytes

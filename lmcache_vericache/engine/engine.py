@@ -40,7 +40,7 @@ from ..compressors import CompressedKV, KVCompressor
 from .horizon import DraftLen, Horizon, check_draft_len
 from .proposer import NgramProposer
 from .request import Request, Result
-from .runtime import KVCache, Runtime, Segment
+from .runtime import Runtime, Segment
 from .swap import SwapIn, chunk_keys, model_fingerprint
 from .verify import Sampling, accept
 
@@ -123,25 +123,33 @@ class VeriCacheEngine:
         stagger = self.stagger if stagger is None else stagger
         reqs = self._start(prompts, max_new_tokens, sampling, seed, draft=True)
         self._on_round = on_round
-        for r in reqs:
-            r.horizon = Horizon(draft_len, self.max_draft_len)
-            if not r.done:
-                self._new_round(r)
-                if stagger and r.idx % 2 and r.limit > 1:
-                    r.limit //= 2  # a half-length first round puts odd requests out of phase
-        while True:
-            active = [r for r in reqs if not r.done]
-            if not active:
-                break
-            for r in active:
-                # A cached prompt's first round drafts only while its exact prefix is still arriving:
-                # once it is in, verifying the tail at once gives the first token soonest.
-                if r.start < r.pos and r.swap is not None and r.swap.done:
-                    r.limit = min(r.limit, len(r.drafts))
-            drafting = [r for r in active if len(r.drafts) < r.limit]
-            # Lock step: nobody verifies while anybody still drafts.
-            verifying = [r for r in active if len(r.drafts) >= r.limit] if (stagger or not drafting) else []
-            self._step(drafting, verifying, sampling)
+        try:
+            for r in reqs:
+                r.horizon = Horizon(draft_len, self.max_draft_len)
+                if not r.done:
+                    self._new_round(r)
+                    if stagger and r.idx % 2 and r.limit > 1:
+                        r.limit //= 2  # a half-length first round puts odd requests out of phase
+            while True:
+                active = [r for r in reqs if not r.done]
+                if not active:
+                    break
+                for r in active:
+                    # A cached prompt's first round drafts only while its exact prefix is still arriving:
+                    # once it is in, verifying the tail at once gives the first token soonest.
+                    if r.start < r.pos and r.swap is not None and r.swap.done:
+                        r.limit = min(r.limit, len(r.drafts))
+                drafting = [r for r in active if len(r.drafts) < r.limit]
+                # Lock step: nobody verifies while anybody still drafts.
+                verifying = [r for r in active if len(r.drafts) >= r.limit] if (stagger or not drafting) else []
+                self._step(drafting, verifying, sampling)
+        finally:
+            # Only an error leaves swaps in flight: stop them before the caller gets control back,
+            # so no background thread keeps reading the store and writing into the caches.
+            for r in reqs:
+                if r.swap is not None:
+                    r.swap.cancel()
+                    r.swap = None
         return [Result(r.out, r.stats) for r in reqs]
 
     def reference(self, prompts: Prompts, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
@@ -176,8 +184,8 @@ class VeriCacheEngine:
             t0 = time.perf_counter()
             if tuple(ids) in done:
                 twin, logits = done[tuple(ids)]
-                r.full = _clone(twin.full)
-                r.draft = _clone(twin.draft) if twin.draft is not None else None
+                r.full = twin.full.clone()
+                r.draft = twin.draft.clone() if twin.draft is not None else None
                 r.prefix, r.keys = twin.prefix, twin.keys
                 for name in ("compressed_bytes", "full_prefix_bytes", "cached_chunks"):
                     setattr(r.stats, name, getattr(twin.stats, name))
@@ -395,10 +403,6 @@ class VeriCacheEngine:
         r.stats.new_tokens = len(r.out)
         if r.remaining <= 0:
             r.done = True
-
-
-def _clone(c: KVCache) -> KVCache:
-    return KVCache(c.k.clone(), c.v.clone(), list(c.base), c.n)
 
 
 def _as_batch(prompts: Prompts, vocab: int) -> list[list[int]]:

@@ -45,6 +45,10 @@ class KVCache:
         return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
                    [0] * layers, 0)
 
+    def clone(self) -> KVCache:
+        """An independent copy (own buffers, same base and length)."""
+        return KVCache(self.k.clone(), self.v.clone(), list(self.base), self.n)
+
     @property
     def capacity(self) -> int:
         return self.k.shape[2]
@@ -70,9 +74,7 @@ class KVCache:
 
     def to_2ltd(self, start: int, stop: int) -> Tensor:
         """Entries ``[start, stop)`` (base must be 0) in LMCache's ``KV_2LTD`` layout."""
-        k, v = self.k[:, :, start:stop], self.v[:, :, start:stop]
-        layers, heads, t, d = k.shape
-        return torch.stack([k, v]).permute(0, 1, 3, 2, 4).reshape(2, layers, t, heads * d)
+        return kv_to_2ltd(self.k[:, :, start:stop], self.v[:, :, start:stop])
 
     def load_2ltd(self, start: int, kv: Tensor) -> None:
         """Write a ``KV_2LTD`` chunk at entries ``start...`` (base must be 0)."""
@@ -81,6 +83,12 @@ class KVCache:
         src = kv.view(2, layers, t, heads, hd // heads).transpose(2, 3)
         self.k[:, :, start:start + t].copy_(src[0], non_blocking=True)
         self.v[:, :, start:start + t].copy_(src[1], non_blocking=True)
+
+
+def kv_to_2ltd(k: Tensor, v: Tensor) -> Tensor:
+    """K, V ``[layers, H, T, D]`` each in LMCache's ``KV_2LTD`` layout ``[2, layers, T, H*D]``."""
+    layers, heads, t, d = k.shape
+    return torch.stack([k, v]).permute(0, 1, 3, 2, 4).reshape(2, layers, t, heads * d)
 
 
 @dataclass

@@ -18,6 +18,7 @@ import hashlib
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from typing import Protocol
 
 import numpy as np
@@ -117,5 +118,8 @@ class SwapIn:
         return self.misses
 
     def cancel(self) -> None:
+        """Drop the reads not yet started and return once nothing writes into the cache any more
+        (reads in flight finish; their chunks are still copied). Never raises."""
         self._handle.cancel()
-        self._future.cancel()
+        if not self._future.cancel():
+            wait_futures([self._future])  # ends soon: the rest of its reads are misses; CUDA copies synced

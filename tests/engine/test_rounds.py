@@ -1,18 +1,22 @@
 """Round mechanics on the tiny model: commit/rollback leave caches equal to a fresh prefill, EOS and
 max_new_tokens stop exactly, scheduling (adaptive L, staggering, lock step, n-gram stacking) changes
-speed but never tokens, and swap misses or corrupt full chunks in the store (real files, damaged in
-place) fall back to recomputation."""
+speed but never tokens, swap misses or corrupt full chunks in the store (real files, damaged in
+place) fall back to recomputation, a failing store put keeps the prompt's rest resident, and an error
+mid-generate leaves no swap running."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
 from engine_helpers import random_prompts
 
 from lmcache_vericache import compressors as C
-from lmcache_vericache.backends import DiskTier, DualTierStore, MemoryTier, encode_full
+from lmcache_vericache.backends import DiskTier, DualTierStore, MemoryTier, TierError, encode_full
 from lmcache_vericache.backends.store import FULL_SUFFIX
 from lmcache_vericache.engine import NgramProposer, Runtime, Segment, VeriCacheEngine
+from lmcache_vericache.engine import engine as engine_mod
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SL = ("streamingllm", {"keep_ratio": 0.25})  # evicts 3/4: plenty of rejections
@@ -129,6 +133,82 @@ def test_file_source_and_corruption(tiny_model, tmp_path):
     assert out.tokens == ref[0].tokens and out.stats.recomputed_chunks == 2 * out.stats.rounds
     assert out.stats.cached_chunks == 4  # second call: the prefix came from the store
     assert eng.store.stats.corrupt - corrupt == 2 * out.stats.rounds  # counted, never verified against
+
+
+class _FailingTier(MemoryTier):
+    """Memory tier that refuses every put after the first ``ok`` ones (a fault: a full disk, say)."""
+
+    def __init__(self, max_bytes: int, ok: int):
+        super().__init__(max_bytes)
+        self.ok, self.puts = ok, 0
+
+    def put(self, key, data):
+        if self.puts >= self.ok:
+            raise TierError(f"failing tier: put {key!r} refused after {self.ok} puts")
+        self.puts += 1
+        super().put(key, data)
+
+
+def test_failed_put_keeps_the_rest_resident(tiny_model):
+    """A put failing at prompt chunk 2 ends the stored prefix there: chunks 0-1 are swapped, the rest
+    stays exact in both caches; tokens are unchanged and the failure is counted."""
+    prompts = random_prompts(1, [400])
+    ref = _eng(tiny_model).reference(prompts, 40)
+    heads = Runtime(tiny_model).num_kv_heads
+    store = DualTierStore(C.get(SL[0], **SL[1]), _FailingTier(1 << 30, ok=2 * 2), num_kv_heads=heads)  # 2 chunks
+    eng = _eng(tiny_model, source=store)
+    seen = []
+    [out] = eng.generate(prompts, 40, on_round=lambda r: seen.append((r.prefix, len(r.keys))))
+    assert out.tokens == ref[0].tokens
+    assert seen and set(seen) == {(2 * 64, 2)}  # the request's stored prefix: 2 chunks, every round
+    assert store.stats.put_errors == 1 and store.stats.puts == 2
+    assert out.stats.recomputed_chunks == 0
+    assert out.stats.bytes_moved == out.stats.rounds * 2 * 64 * Runtime(tiny_model).kv_bytes_per_token()
+    store.close()
+
+
+class _SlowTier(MemoryTier):
+    """Memory tier whose full-chunk reads take ``delay`` seconds (a slow capacity tier)."""
+
+    def __init__(self, max_bytes: int, delay: float):
+        super().__init__(max_bytes)
+        self.delay = delay
+
+    def get(self, key):
+        if key.endswith(FULL_SUFFIX):
+            time.sleep(self.delay)
+        return super().get(key)
+
+
+def test_error_mid_generate_cancels_swaps(tiny_model, monkeypatch):
+    """An exception raised mid-generate (here by on_round) propagates, and generate stops every
+    in-flight swap first: no swap thread keeps reading the store or writing into a cache."""
+    swaps = []
+
+    class RecordedSwapIn(engine_mod.SwapIn):  # a spy: records every swap the engine starts
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            swaps.append(self)
+
+    monkeypatch.setattr(engine_mod, "SwapIn", RecordedSwapIn)
+    heads = Runtime(tiny_model).num_kv_heads
+    # 3 chunks a prompt, one read at a time, 0.2 s each: a swap takes 0.6 s, drafting milliseconds
+    store = DualTierStore(C.get(SL[0], **SL[1]), _SlowTier(1 << 30, 0.2), num_kv_heads=heads, max_concurrent_reads=1)
+    eng = _eng(tiny_model, source=store)
+    in_flight = []
+
+    def fail_while_swapping(r):  # the first round to end while another request's swap runs fails
+        running = [s for s in swaps if not s.done]
+        if running:
+            in_flight.extend(running)
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        eng.generate(random_prompts(2, [200, 200]), 40, on_round=fail_while_swapping)
+    assert in_flight  # the error came while another request's swap was still running
+    assert all(s.done for s in swaps)  # every swap stopped before generate returned
+    assert store.stats.cancelled > 0  # its pending reads were dropped, not waited for
+    store.close()
 
 
 def test_shared_prefix_from_the_store(tiny_model):
