@@ -10,10 +10,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -21,15 +18,6 @@ from lmcache_vericache.backends import DualTierStore
 from lmcache_vericache.backends.store import FULL_SUFFIX
 from lmcache_vericache.data import prompt_ids, stdlib_source
 from lmcache_vericache.engine import VeriCacheEngine
-
-try:
-    from tests.servers import redis_server_factory  # noqa: F401
-except ImportError:  # a site-packages ``tests`` package shadows this repo's (see tests/backends/conftest.py)
-    if "tests.servers" not in sys.modules:
-        _spec = importlib.util.spec_from_file_location("tests.servers", Path(__file__).parents[1] / "servers.py")
-        sys.modules["tests.servers"] = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
-        _spec.loader.exec_module(sys.modules["tests.servers"])  # type: ignore[union-attr]
-    redis_server_factory = sys.modules["tests.servers"].redis_server_factory
 
 pytestmark = pytest.mark.e2e
 METHOD, PARAMS, N_NEW, CHUNKS = "streamingllm", {"keep_ratio": 0.25}, 64, 4

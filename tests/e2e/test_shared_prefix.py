@@ -6,7 +6,6 @@ prefetch, and its output equals plain full-KV greedy decoding of B (``--referenc
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,15 +15,6 @@ from pathlib import Path
 import pytest
 
 from lmcache_vericache.data import stdlib_source
-
-try:
-    from tests.servers import redis_server  # noqa: F401
-except ImportError:  # a site-packages ``tests`` package shadows this repo's (see tests/backends/conftest.py)
-    if "tests.servers" not in sys.modules:
-        _spec = importlib.util.spec_from_file_location("tests.servers", Path(__file__).parents[1] / "servers.py")
-        sys.modules["tests.servers"] = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
-        _spec.loader.exec_module(sys.modules["tests.servers"])  # type: ignore[union-attr]
-    redis_server = sys.modules["tests.servers"].redis_server
 
 pytestmark = pytest.mark.e2e
 CHUNK = 256
