@@ -20,7 +20,7 @@ changed LMCache server counters (``/metrics``: lookup hit tokens from L1 / L2), 
 from its log (L2 prefetch into its memory; transfer of the retrieved tokens to the vLLM process) and
 the first token of each request (must equal across variants).
 Engines run through ``connectors.vllm_run.run_engine``; the server through the ``LMCacheServer``
-helper of tests/backends/test_lmcache_l2.py (loaded by path, as the e2e test does).
+helper of tests/servers.py (loaded by path: tests/ is not an importable package here).
 
     .venv/bin/python benchmarks/vllm_ttft.py [--prefix 2048] [--tail 32] [--repeats 8] [--chunk 256]
 """
@@ -49,9 +49,9 @@ CONNECTOR_ENV = {"LMCACHE_DISABLE_BANNER": "1", "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
 def _server_helpers():
-    """``LMCacheServer`` / ``shipped_spec`` from the adapter tests (tests/ is not a package here)."""
-    path = ROOT / "tests" / "backends" / "test_lmcache_l2.py"
-    spec = importlib.util.spec_from_file_location("_vericache_l2_tests", path)
+    """``LMCacheServer`` / ``shipped_spec`` from tests/servers.py (tests/ is not a package here)."""
+    path = ROOT / "tests" / "servers.py"
+    spec = importlib.util.spec_from_file_location("_vericache_test_servers", path)
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     return module

@@ -2,7 +2,8 @@
 
 * ``redis-server``/``valkey-server`` with no persistence (``--save "" --appendonly no``); skipped,
   with the reason, when neither binary is installed (CI installs ``redis-server`` from apt);
-* LMCache's own server (``python -m lmcache.v1.server 127.0.0.1 PORT cpu``).
+* LMCache's own server (``python -m lmcache.v1.server 127.0.0.1 PORT cpu``);
+* LMCache's MP ``lmcache server`` with this package's L2 adapter (:class:`LMCacheServer`).
 
 Use from any test directory: ``from tests.servers import redis_server, redis_server_factory``
 (or re-export them from a ``conftest.py``).
@@ -10,6 +11,7 @@ Use from any test directory: ``from tests.servers import redis_server, redis_ser
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -18,7 +20,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -151,3 +155,67 @@ def lm_server() -> Iterator[LMServer]:
     server = LMServer()
     yield server
     server.stop()
+
+
+# -- LMCache's MP ``lmcache server`` with this package's L2 adapter ---------------------------------
+
+L2_SPEC = Path(__file__).parents[1] / "configs" / "lmcache-server-l2.json"
+
+
+def shipped_spec(**params: object) -> dict:
+    """The shipped ``--l2-adapter`` JSON with ``adapter_params`` overridden."""
+    spec = json.loads(L2_SPEC.read_text())
+    spec["adapter_params"].update(params)
+    return spec
+
+
+class LMCacheServer:
+    """``lmcache server`` with the VeriCache adapter, in its own process group; stopped by PID."""
+
+    def __init__(self, spec: dict, log: Path, *, chunk_size: int = 256, skip_l1: bool = False) -> None:
+        from lmcache_vericache.cli.lmcache_config import server_argv
+
+        self.port, self.http_port, self.log = free_port(), free_port(), log
+        argv = server_argv(spec, port=self.port, http_port=self.http_port, chunk_size=chunk_size,
+                           l1_size_gb=0.25, skip_l1=skip_l1)  # fmt: skip
+        argv[0] = str(Path(sys.executable).with_name("lmcache"))
+        env = {**os.environ, "PYTHONHASHSEED": "0", "LMCACHE_DISABLE_BANNER": "1"}
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+
+    def wait_ready(self, timeout: float = 90.0) -> LMCacheServer:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"lmcache server exited with {self.proc.returncode}:\n{self.output()[-3000:]}"
+                )
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/healthcheck", timeout=1):
+                    return self
+            except OSError:
+                time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"lmcache server not ready after {timeout} s:\n{self.output()[-3000:]}")
+
+    def status(self) -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/status", timeout=10) as r:
+            return json.load(r)
+
+    def adapter_status(self) -> dict:
+        adapters = self.status()["storage_manager"]["l2_adapters"]
+        return next(a for a in adapters if a.get("type") == "VeriCacheL2Adapter")
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)

@@ -10,15 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import select
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,16 +22,9 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, Tensor
 from lmcache.v1.platform.event_notifier import consume_fd
 
 from lmcache_vericache.backends.l2_adapter import VeriCacheL2Adapter
-from lmcache_vericache.cli.lmcache_config import server_argv
+from tests.servers import LMCacheServer, shipped_spec
 
-SPEC = Path(__file__).parents[2] / "configs" / "lmcache-server-l2.json"
 LAYERS, HEADS, HEAD_DIM, CHUNK = 2, 3, 8, 256
-
-
-def shipped_spec(**params: object) -> dict:
-    spec = json.loads(SPEC.read_text())
-    spec["adapter_params"].update(params)
-    return spec
 
 
 def build_adapter(spec: dict) -> VeriCacheL2Adapter:
@@ -173,65 +159,6 @@ def test_bad_adapter_params_raise_naming_the_key(tmp_path, params, named):
     spec["adapter_params"] = {k: v for k, v in spec["adapter_params"].items() if v is not None}
     with pytest.raises(ValueError, match=named):
         build_adapter(spec)
-
-
-# -- a real ``lmcache server`` process --------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LMCacheServer:
-    """``lmcache server`` with the VeriCache adapter, in its own process group; stopped by PID."""
-
-    def __init__(self, spec: dict, log: Path, *, chunk_size: int = 256, skip_l1: bool = False) -> None:
-        self.port, self.http_port, self.log = free_port(), free_port(), log
-        argv = server_argv(spec, port=self.port, http_port=self.http_port, chunk_size=chunk_size,
-                           l1_size_gb=0.25, skip_l1=skip_l1)  # fmt: skip
-        argv[0] = str(Path(sys.executable).with_name("lmcache"))
-        env = {**os.environ, "PYTHONHASHSEED": "0", "LMCACHE_DISABLE_BANNER": "1"}
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-
-    def wait_ready(self, timeout: float = 90.0) -> LMCacheServer:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"lmcache server exited with {self.proc.returncode}:\n{self.output()[-3000:]}"
-                )
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/healthcheck", timeout=1):
-                    return self
-            except OSError:
-                time.sleep(0.5)
-        self.stop()
-        raise TimeoutError(f"lmcache server not ready after {timeout} s:\n{self.output()[-3000:]}")
-
-    def status(self) -> dict:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/status", timeout=10) as r:
-            return json.load(r)
-
-    def adapter_status(self) -> dict:
-        adapters = self.status()["storage_manager"]["l2_adapters"]
-        return next(a for a in adapters if a.get("type") == VeriCacheL2Adapter.__name__)
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
 
 
 def test_lmcache_server_runs_the_adapter(tmp_path):

@@ -12,7 +12,6 @@ The vLLM side runs this file as a script (vLLM spawns workers: it needs a ``__ma
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -25,15 +24,6 @@ import pytest
 pytestmark = pytest.mark.e2e
 
 CHUNK, PROMPT_TOKENS, NEW_TOKENS = 256, 900, 32
-
-
-def _server_helpers():
-    # tests/ is not an importable package here (see tests/backends/conftest.py): load by path.
-    path = Path(__file__).parents[1] / "backends" / "test_lmcache_l2.py"
-    spec = importlib.util.spec_from_file_location("_vericache_l2_tests", path)
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
 
 
 def run_vllm(
@@ -62,15 +52,15 @@ def test_second_vllm_gets_the_prefix_through_the_adapter_with_identical_output(t
 
     from lmcache_vericache.data import prompt_ids, stdlib_source
     from lmcache_vericache.models import ensure_smollm2
+    from tests.servers import LMCacheServer, shipped_spec  # not at module level: run as a script too
 
     model_dir = str(ensure_smollm2())
     tok = AutoTokenizer.from_pretrained(model_dir)
     ids = prompt_ids(tok, stdlib_source("textwrap.py"), PROMPT_TOKENS).tolist()
     full_chunks = PROMPT_TOKENS // CHUNK
 
-    helpers = _server_helpers()
-    spec = helpers.shipped_spec(disk_path=str(tmp_path / "kv"), num_kv_heads=3)
-    server = helpers.LMCacheServer(spec, tmp_path / "server.log", chunk_size=CHUNK, skip_l1=True)
+    spec = shipped_spec(disk_path=str(tmp_path / "kv"), num_kv_heads=3)
+    server = LMCacheServer(spec, tmp_path / "server.log", chunk_size=CHUNK, skip_l1=True)
     try:
         server.wait_ready()
         first = run_vllm(model_dir, ids, server.port, tmp_path / "first.json", tmp_path / "first.log")
