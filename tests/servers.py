@@ -43,6 +43,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_process(proc: subprocess.Popen, *, grace: float, group: bool = False) -> None:
+    """SIGTERM (to the process group with ``group``), then SIGKILL after ``grace`` seconds."""
+    if proc.poll() is not None:
+        return
+    kill = os.killpg if group else os.kill
+    kill(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
 class ServerProcess:
     """A server process owned by the test that started it; ``ready`` probes one connection."""
 
@@ -80,13 +93,7 @@ class ServerProcess:
             self.proc.wait(5)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
+        stop_process(self.proc, grace=5)
         if self.proc.stderr:
             self.proc.stderr.close()
 
@@ -212,10 +219,4 @@ class LMCacheServer:
         return self.log.read_text(errors="replace")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        stop_process(self.proc, grace=20, group=True)  # its own session: workers go too
