@@ -77,7 +77,7 @@ def main() -> None:
         kv = kv_full[:, :, :CHUNK].to(DTYPES[dname]).contiguous()
         gb = kv.numel() * kv.element_size() / 1e9
         for name in names:
-            for params in compressors._REGISTRY[name].examples:
+            for params in compressors.examples(name):
                 comp = compressors.get(name, **params)
                 ckv = comp.compress(kv, heads, queries=queries)
                 copy, enc, dec = (gb / t for t in median_s(

@@ -2,6 +2,7 @@
 
 >>> from lmcache_vericache import compressors
 >>> compressors.available()            # method names
+>>> compressors.examples("kivi")       # its example parameter sets: [{"bits": 2}, ...]
 >>> c = compressors.get("kivi", bits=2)
 >>> ckv = c.compress(kv, num_kv_heads=3)  # kv: [2, L, T, H*D]
 >>> layers = c.decompress(ckv)            # per layer: keys, values, positions
@@ -56,12 +57,23 @@ def available() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get(name: str, **params: Any) -> KVCompressor:
-    """Build method ``name`` with ``params``; unknown names or bad parameters raise ``ValueError``."""
+def _method(name: str) -> type[KVCompressor]:
     _load_all()
     cls = _REGISTRY.get(name)
     if cls is None:
         raise ValueError(f"unknown compressor {name!r}; available: {', '.join(sorted(_REGISTRY))}")
+    return cls
+
+
+def examples(name: str) -> list[dict[str, Any]]:
+    """The example parameter sets of method ``name`` (copies; the first is its default use), as
+    ``get(name, **params)`` takes them. Unknown names raise ``ValueError``."""
+    return [dict(params) for params in _method(name).examples]
+
+
+def get(name: str, **params: Any) -> KVCompressor:
+    """Build method ``name`` with ``params``; unknown names or bad parameters raise ``ValueError``."""
+    cls = _method(name)
     fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = set(params) - fields
     if unknown:
@@ -87,6 +99,7 @@ __all__ = [
     "TokenEvictor",
     "available",
     "decompress",
+    "examples",
     "from_bytes",
     "get",
     "register",

@@ -7,13 +7,11 @@ import pytest
 import torch
 
 from lmcache_vericache import compressors as C
-from lmcache_vericache.compressors import _REGISTRY
 
-C.available()  # import every method module
 CASES = [
     pytest.param(name, params, id=f"{name}-{'-'.join(f'{k}={v}' for k, v in params.items()) or 'default'}")
-    for name in sorted(_REGISTRY)
-    for params in _REGISTRY[name].examples
+    for name in C.available()
+    for params in C.examples(name)
 ]
 LAYERS, TOKENS, HEADS, HEAD_DIM = 3, 256, 3, 64
 

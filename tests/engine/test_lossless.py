@@ -9,15 +9,13 @@ import pytest
 from engine_helpers import assert_identical, real_prompts, reference
 
 from lmcache_vericache import compressors as C
-from lmcache_vericache.compressors import _REGISTRY
 from lmcache_vericache.engine import VeriCacheEngine
 
-C.available()
 FAST = {"streamingllm", "int8"}  # one eviction, one quantization method run in the quick suite
 CASES = [
-    pytest.param(name, _REGISTRY[name].examples[0], id=name,
+    pytest.param(name, C.examples(name)[0], id=name,
                  marks=() if name in FAST else pytest.mark.slow)
-    for name in sorted(_REGISTRY)
+    for name in C.available()
 ]
 
 
