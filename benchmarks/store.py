@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import os
 import platform
@@ -37,19 +36,11 @@ from lmcache_vericache.backends import DiskTier, DualTierStore, TierError, encod
 from lmcache_vericache.backends.store import FULL_SUFFIX  # noqa: E402
 from lmcache_vericache.backends.tiers.lm import LMServerTier  # noqa: E402
 from lmcache_vericache.backends.tiers.redis import RedisTier  # noqa: E402
+from lmcache_vericache.testing import servers  # noqa: E402  (starts/stops the real Redis and lm:// servers)
 
 SHAPE = (2, 30, 256, 192)  # [2, layers, tokens, kv_heads * head_dim]
 HEADS = 3
 METHODS = (("streamingllm", {"keep_ratio": 0.25}), ("kivi", {}))
-
-
-def load_servers():
-    # tests/servers.py starts and stops the real Redis server; loaded by path because a stray
-    # site-packages ``tests`` package can shadow the repository's.
-    spec = importlib.util.spec_from_file_location("vericache_test_servers", ROOT / "tests" / "servers.py")
-    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
-    return mod
 
 
 def median_time(fn: Callable[[], object], repeats: int, before: Callable[[], None] | None = None) -> float:
@@ -235,7 +226,6 @@ def main() -> None:
     kvs = [torch.randn(SHAPE, generator=g).bfloat16() for _ in range(args.chunks)]
     blobs = [encode_full(kv) for kv in kvs]
 
-    servers = load_servers()
     binary = servers.server_binary()
     server = servers.RedisServer(binary) if binary else None
     lm = servers.LMServer()

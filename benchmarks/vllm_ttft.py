@@ -19,8 +19,8 @@ Per request: TTFT; per variant: medians, the chunks the adapter loaded (server `
 changed LMCache server counters (``/metrics``: lookup hit tokens from L1 / L2), the server's own timings
 from its log (L2 prefetch into its memory; transfer of the retrieved tokens to the vLLM process) and
 the first token of each request (must equal across variants).
-Engines run through ``connectors.vllm_run.run_engine``; the server through the ``LMCacheServer``
-helper of tests/servers.py (loaded by path: tests/ is not an importable package here).
+Engines run through ``lmcache_vericache.testing.vllm_harness.run_engine``; the server through
+``lmcache_vericache.testing.servers.LMCacheServer`` (needs the ``dev`` extra).
 
     .venv/bin/python benchmarks/vllm_ttft.py [--prefix 2048] [--tail 32] [--repeats 8] [--chunk 256]
 """
@@ -28,7 +28,6 @@ helper of tests/servers.py (loaded by path: tests/ is not an importable package 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -43,18 +42,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lmcache_vericache.connectors.vllm_run import run_engine  # noqa: E402
+from lmcache_vericache.testing.servers import LMCacheServer, shipped_spec  # noqa: E402
+from lmcache_vericache.testing.vllm_harness import run_engine  # noqa: E402
 
 CONNECTOR_ENV = {"LMCACHE_DISABLE_BANNER": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-
-
-def _server_helpers():
-    """``LMCacheServer`` / ``shipped_spec`` from tests/servers.py (tests/ is not a package here)."""
-    path = ROOT / "tests" / "servers.py"
-    spec = importlib.util.spec_from_file_location("_vericache_test_servers", path)
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
 
 
 def _metrics(server) -> dict[str, float]:
@@ -115,13 +106,13 @@ def _summary(ttft: list[float], start_s: float) -> dict:
             "ttft_min_s": round(min(ttft), 4), "engine_start_s": round(start_s, 1)}  # fmt: skip
 
 
-def run_with_server(name: str, helpers, base: dict, args, prompts, first_prompt, warm, tmp: Path) -> dict:
+def run_with_server(name: str, base: dict, args, prompts, first_prompt, warm, tmp: Path) -> dict:
     """A server (``skip_l1`` for the adapter variant), a first process that stores the prefix, then the
     measured second process."""
     skip_l1 = name == "adapter"
-    spec = helpers.shipped_spec(disk_path=str(tmp / name / "kv"), num_kv_heads=3)
+    spec = shipped_spec(disk_path=str(tmp / name / "kv"), num_kv_heads=3)
     (tmp / name).mkdir(parents=True, exist_ok=True)
-    server = helpers.LMCacheServer(spec, tmp / name / "server.log", chunk_size=args.chunk, skip_l1=skip_l1)
+    server = LMCacheServer(spec, tmp / name / "server.log", chunk_size=args.chunk, skip_l1=skip_l1)
     full_chunks = args.prefix // args.chunk
     try:
         server.wait_ready()
@@ -208,7 +199,6 @@ def main() -> int:
                           "after start-up and a 64-token warm-up request"},
         "variants": {},
     }  # fmt: skip
-    helpers = _server_helpers()
     t_all = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="vllm_ttft_") as td:
         tmp = Path(args.workdir or td)
@@ -219,7 +209,7 @@ def main() -> int:
                 ttft, tokens = _ttfts(rep, len(prompts))
                 res = {**_summary(ttft, rep["start_s"]), "first_tokens": tokens}
             else:
-                res = run_with_server(name, helpers, base, args, prompts, first_prompt, warm, tmp)
+                res = run_with_server(name, base, args, prompts, first_prompt, warm, tmp)
             res["variant_wall_s"] = round(time.perf_counter() - t, 1)
             res["load_avg_after"] = os.getloadavg()
             results["variants"][name] = res

@@ -1,12 +1,13 @@
-"""Real cache servers for tests, started on 127.0.0.1 on a free port and stopped by PID:
+"""Real cache servers for tests and benchmarks, started on 127.0.0.1 on a free port and stopped by PID:
 
 * ``redis-server``/``valkey-server`` with no persistence (``--save "" --appendonly no``); skipped,
   with the reason, when neither binary is installed (CI installs ``redis-server`` from apt);
 * LMCache's own server (``python -m lmcache.v1.server 127.0.0.1 PORT cpu``);
 * LMCache's MP ``lmcache server`` with this package's L2 adapter (:class:`LMCacheServer`).
 
-Use from any test directory: ``from tests.servers import redis_server, redis_server_factory``
-(or re-export them from a ``conftest.py``).
+The pytest fixtures (``redis_server``, ``redis_server_factory``, ``lm_server``) are re-exported by
+the top-level ``tests/conftest.py``; benchmarks use the classes directly. Imports ``pytest``: needs
+the ``dev`` extra.
 """
 
 from __future__ import annotations
@@ -166,7 +167,7 @@ def lm_server() -> Iterator[LMServer]:
 
 # -- LMCache's MP ``lmcache server`` with this package's L2 adapter ---------------------------------
 
-L2_SPEC = Path(__file__).parents[1] / "configs" / "lmcache-server-l2.json"
+L2_SPEC = Path(__file__).parents[2] / "configs" / "lmcache-server-l2.json"  # the repository's configs/
 
 
 def shipped_spec(**params: object) -> dict:

@@ -1,7 +1,7 @@
 """Run one offline vLLM engine on a list of jobs, in its own process, and report JSON.
 
 Tests and ``benchmarks/vllm_e2e.py`` start each engine configuration through :func:`run_engine`
-(a child ``python -m lmcache_vericache.connectors.vllm_run``): vLLM spawns workers (it needs a
+(a child ``python -m lmcache_vericache.testing.vllm_harness``): vLLM spawns workers (it needs a
 ``__main__`` guard), a failed start must not take the caller down, and every process it starts
 ends with the child. Per job: the generated token ids, wall time, and the change of vLLM's
 spec-decode counters; optionally the proposer's own stats and the runtime's logits of a probe
@@ -79,7 +79,7 @@ def _main(spec_path: str) -> None:
     from vllm.inputs import TokensPrompt
 
     from lmcache_vericache.connectors.vllm_model import runtime_logits
-    from lmcache_vericache.connectors.vllm_run import proposer_stats  # by reference, not __main__'s copy
+    from lmcache_vericache.testing.vllm_harness import proposer_stats  # by reference, not __main__'s copy
 
     spec = json.loads(Path(spec_path).read_text())
     t0 = time.perf_counter()

@@ -207,7 +207,7 @@ def test_second_process_sees_first_process_chunks_through_redis(redis_server):
 
 
 def test_lm_server_killed_gives_misses_and_failed_puts(chunks, caplog):
-    from tests.servers import LMServer
+    from lmcache_vericache.testing.servers import LMServer
 
     server = LMServer()
     try:

@@ -22,7 +22,7 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, Tensor
 from lmcache.v1.platform.event_notifier import consume_fd
 
 from lmcache_vericache.backends.l2_adapter import VeriCacheL2Adapter
-from tests.servers import LMCacheServer, shipped_spec
+from lmcache_vericache.testing.servers import LMCacheServer, shipped_spec
 
 LAYERS, HEADS, HEAD_DIM, CHUNK = 2, 3, 8, 256
 

