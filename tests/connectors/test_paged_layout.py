@@ -44,7 +44,8 @@ def test_round_trip_matches_vllm_op(isa, dtype, head_size):
 
 
 def test_vec_layout_closed_form():
-    """The probe finds what VLLM_NOTES describes for the vec kernels: K transposed, then V."""
+    """The probe finds the vec kernels' tile layout (docs/host-notes.md#vllm-cpu-block-layout):
+    K transposed, then V."""
     for dtype in DTYPES:
         assert torch.equal(pl.probe_layout("vec", dtype, 128, 64).src, pl.vec_layout(128, 64).src)
     assert not torch.equal(pl.probe_layout("amx", torch.bfloat16, 128, 64).src, pl.vec_layout(128, 64).src)
