@@ -104,12 +104,12 @@ def main() -> None:
         # Warm-up (kernels, allocator): without it the first timed baseline ran up to 3x slow,
         # which once showed as a VeriCache "speed-up".
         warm = prompts(tok, 256, 1)
-        VeriCacheEngine(model, "int8", source="resident").reference(warm, 8)
+        VeriCacheEngine(model, "int8", store="resident").reference(warm, 8)
         VeriCacheEngine(model, methods[0][0], methods[0][1], draft_len=4).generate(warm, 8)
         for ctx in map(int, args.contexts.split(",")):
             for batch in map(int, args.batches.split(",")):
                 ps = prompts(tok, ctx, batch)
-                base = VeriCacheEngine(model, "int8", source="resident")
+                base = VeriCacheEngine(model, "int8", store="resident")
                 for m, params in methods:
                     ref_s, vc_s = [], []
                     for _ in range(args.reps):  # interleaved: both see the same machine load
@@ -117,7 +117,8 @@ def main() -> None:
                         ref_s.append(s)
                         # A fresh engine (and store) per repeat: a reused one would find the prompt's
                         # prefix in its own store and skip the prefill the baseline pays.
-                        eng = VeriCacheEngine(model, m, params, draft_len=draft_len, source=args.source)
+                        eng = VeriCacheEngine(model, m, params, draft_len=draft_len,
+                                              store="resident" if args.source == "resident" else None)
                         s, out = timed(lambda eng=eng, ps=ps: eng.generate(ps, args.new_tokens))
                         vc_s.append(s)
                     n_tok = sum(len(r.tokens) for r in ref)
@@ -142,7 +143,7 @@ def main() -> None:
         [p] = prompts(tok, ctx, 1, cont=args.accept_tokens)
         prompt, cont = p[:ctx], p[ctx:]
         for m, params in methods:
-            eng = VeriCacheEngine(model, m, params, draft_len=32, source="resident")
+            eng = VeriCacheEngine(model, m, params, draft_len=32, store="resident")
             [g] = eng.generate([prompt], args.accept_tokens)
             [s] = eng.generate([prompt], args.accept_tokens, temperature=0.8, seed=0)
             tf = teacher_forced(eng, prompt, cont, 32)

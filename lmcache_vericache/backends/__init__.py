@@ -1,7 +1,12 @@
-"""Dual-tier store: compressed chunks served at once, full chunks prefetched from a capacity tier."""
+"""The storage core: the dual-tier store, its tiers, the chunk formats and the one key scheme.
+
+The LMCache glue lives in :mod:`lmcache_vericache.backends.lmcache` (imports ``lmcache``); nothing
+here imports it, nor vLLM.
+"""
 
 from .config import StoreConfig
 from .fullchunk import CorruptChunkError, decode_full, encode_full
+from .keys import KeySpace, model_fingerprint, prefix_hashes
 from .store import DualTierStore, PrefetchHandle, StoreStats
 from .tiers import CapacityTier, DiskTier, MemoryTier, TierError
 
@@ -10,6 +15,7 @@ __all__ = [
     "CorruptChunkError",
     "DiskTier",
     "DualTierStore",
+    "KeySpace",
     "MemoryTier",
     "PrefetchHandle",
     "StoreConfig",
@@ -17,4 +23,6 @@ __all__ = [
     "TierError",
     "decode_full",
     "encode_full",
+    "model_fingerprint",
+    "prefix_hashes",
 ]

@@ -1,13 +1,24 @@
-"""Flat, validated configuration of a :class:`DualTierStore`; LMCache adapters map their
-namespaced YAML keys onto these names."""
+"""The store's configuration: one flat, validated type that every entry point parses.
+
+Python (:meth:`StoreConfig.parse`), ``vericache generate --store-config`` (JSON), LMCache YAML
+(``vericache.<key>`` in ``extra_config``), the L2 adapter's ``adapter_params`` and vLLM's
+``kv_connector_extra_config`` all go through :func:`~lmcache_vericache.options.parse_options`, so a
+bad key gets the same message everywhere, named as the user wrote it.
+"""
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .. import compressors
+from ..options import parse_options
+from .keys import HASH_SCHEMES, LAYOUT_2LTD, KeySpace
+
 if TYPE_CHECKING:
+    import torch
+
     from .store import DualTierStore
     from .tiers.base import CapacityTier
 
@@ -16,10 +27,18 @@ CAPACITY_TIERS = ("disk", "nixl", "redis", "lm", "memory")
 
 @dataclass(frozen=True)
 class StoreConfig:
-    compressor: str
-    num_kv_heads: int
+    """Settings of a :class:`~lmcache_vericache.backends.store.DualTierStore` and of its keys.
+
+    ``model_id`` and ``hash_scheme`` fill the :class:`~lmcache_vericache.backends.keys.KeySpace`;
+    left out, each host uses its own (engine: a digest of the weights and ``blake3``; LMCache
+    in-process: its ``model_name`` and its ``pre_caching_hash_algorithm``; L2 adapter: the
+    ``ObjectKey``'s model name and ``blake3``). Hosts share chunks when these agree.
+    """
+
+    compressor: str = "int8"
+    num_kv_heads: int | None = None  # required where the host does not know the model (L2 adapter)
     compressor_params: dict[str, Any] = field(default_factory=dict)
-    capacity: str = "disk"
+    capacity: str = "memory"
     disk_path: str | None = None
     disk_fsync: bool = False
     redis_url: str | None = None
@@ -29,39 +48,52 @@ class StoreConfig:
     memory_bytes: int = 4 << 30  # bound of the capacity tier when capacity == "memory"
     hot_bytes: int = 1 << 30
     max_concurrent_reads: int = 4
+    model_id: str | None = None
+    hash_scheme: str | None = None
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> StoreConfig:
-        if not isinstance(d, dict):
-            raise ValueError(f"store config must be a dict, got {type(d).__name__}")
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - set(fields))
-        if unknown:
-            raise ValueError(f"unknown store config key(s) {unknown}; valid keys: {sorted(fields)}")
-        missing = sorted(n for n, f in fields.items() if _required(f) and n not in d)
-        if missing:
-            raise ValueError(f"missing store config key(s) {missing}")
-        for name, value in d.items():
-            _check_type(name, value, fields[name].type)
-        cfg = cls(**d)
-        cfg.validate()
-        return cfg
+    def parse(cls, values: Mapping[str, Any], *, where: str = "store config", prefix: str = "") -> StoreConfig:
+        """Validated config from flat keys; errors name the key as ``prefix + key`` and say ``where``."""
+        return parse_options(cls, values, where=where, prefix=prefix)
 
     def validate(self) -> None:
-        from .. import compressors
-
-        compressors.get(self.compressor, **self.compressor_params)  # raises ValueError naming the problem
+        """Raises ``ValueError`` whose message starts with the offending key's name."""
+        try:
+            compressors.get(self.compressor, **self.compressor_params)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"compressor / compressor_params: {e}") from None
         for name in ("num_kv_heads", "memory_bytes", "hot_bytes", "max_concurrent_reads"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"store config {name} must be > 0, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
         if self.capacity not in CAPACITY_TIERS:
-            raise ValueError(f"store config capacity must be one of {CAPACITY_TIERS}, got {self.capacity!r}")
+            raise ValueError(f"capacity must be one of {CAPACITY_TIERS}, got {self.capacity!r}")
         if self.capacity in ("disk", "nixl") and not self.disk_path:
-            raise ValueError(f"store config capacity {self.capacity!r} needs disk_path")
+            raise ValueError(f"disk_path is required for capacity {self.capacity!r}")
         if self.capacity == "redis" and not self.redis_url:
-            raise ValueError("store config capacity 'redis' needs redis_url")
+            raise ValueError("redis_url is required for capacity 'redis'")
         if self.capacity == "lm" and not self.lm_url:
-            raise ValueError("store config capacity 'lm' needs lm_url")
+            raise ValueError("lm_url is required for capacity 'lm'")
+        if self.hash_scheme is not None and self.hash_scheme not in HASH_SCHEMES:
+            raise ValueError(f"hash_scheme must be one of {HASH_SCHEMES}, got {self.hash_scheme!r}")
+        if self.model_id is not None and not self.model_id:
+            raise ValueError("model_id must not be empty")
+
+    def key_space(self, *, model: str, dtype: torch.dtype | str, chunk_size: int, layout: str = LAYOUT_2LTD,
+                  scheme: str = "blake3") -> KeySpace:
+        """The key space of a host: its own facts, overridden by ``model_id`` / ``hash_scheme``."""
+        return KeySpace(model=self.model_id or model, dtype=str(dtype), chunk_size=chunk_size,
+                        compressor=self.compressor, compressor_params=dict(self.compressor_params),
+                        layout=layout, scheme=self.hash_scheme or scheme)
+
+    def with_heads(self, num_kv_heads: int, *, where: str = "store config", prefix: str = "") -> StoreConfig:
+        """This config with the model's KV head count filled in; a different configured count raises."""
+        if self.num_kv_heads is not None and self.num_kv_heads != num_kv_heads:
+            raise ValueError(f"{where}: {prefix}num_kv_heads = {self.num_kv_heads} disagrees with the "
+                             f"model's {num_kv_heads} KV heads")
+        from dataclasses import replace
+
+        return replace(self, num_kv_heads=num_kv_heads)
 
     def build_capacity(self) -> CapacityTier:
         if self.capacity == "disk":
@@ -85,27 +117,11 @@ class StoreConfig:
         return MemoryTier(self.memory_bytes)
 
     def build(self) -> DualTierStore:
-        from .. import compressors
+        """A new store (the caller owns and closes it). Needs ``num_kv_heads``."""
         from .store import DualTierStore
 
-        return DualTierStore(
-            compressors.get(self.compressor, **self.compressor_params),
-            self.build_capacity(),
-            num_kv_heads=self.num_kv_heads,
-            hot_bytes=self.hot_bytes,
-            max_concurrent_reads=self.max_concurrent_reads,
-        )
-
-
-def _required(f: dataclasses.Field) -> bool:
-    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-
-
-_TYPES = {"str": str, "int": int, "bool": bool, "dict[str, Any]": dict, "str | None": (str, type(None))}
-
-
-def _check_type(name: str, value: Any, annotation: str) -> None:
-    expected = _TYPES[annotation]
-    # bool is an int subclass: reject True where a size is expected, and 1 where a flag is.
-    if isinstance(value, bool) != (expected is bool) or not isinstance(value, expected):
-        raise ValueError(f"store config {name} must be {annotation}, got {type(value).__name__} {value!r}")
+        if self.num_kv_heads is None:
+            raise ValueError("store config: num_kv_heads is required (the host does not know the model)")
+        return DualTierStore(compressors.get(self.compressor, **self.compressor_params), self.build_capacity(),
+                             num_kv_heads=self.num_kv_heads, hot_bytes=self.hot_bytes,
+                             max_concurrent_reads=self.max_concurrent_reads)

@@ -1,5 +1,5 @@
 """The dual-tier store: compressed chunks at once for drafting, full chunks prefetched for
-verification (DESIGN.md §5). Knows nothing of LMCache's engine classes; the adapters map it."""
+verification (docs/architecture.md#the-dual-tier-store). Knows nothing of LMCache's engine classes; the adapters map it."""
 
 from __future__ import annotations
 
@@ -142,14 +142,6 @@ class DualTierStore:
         self._stats = StoreStats()
         self._lock = threading.Lock()
         self._closed = False
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> DualTierStore:
-        """Build from flat keys (see :class:`~lmcache_vericache.backends.config.StoreConfig`);
-        unknown or invalid keys raise ``ValueError`` naming them."""
-        from .config import StoreConfig
-
-        return StoreConfig.from_dict(config).build()
 
     # -- write path -----------------------------------------------------------------------------
     def put(

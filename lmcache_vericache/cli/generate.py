@@ -5,7 +5,7 @@ The prompt is the first ``--prompt-tokens`` tokens of ``--prompt-file`` (default
 standard library). Prints one JSON object with ``--json``.
 
 ``--store-config`` puts the full and compressed KV in a dual-tier store built from JSON (the keys of
-``DualTierStore.from_config``), e.g. a Redis server shared by several runs: a run whose prompt
+``StoreConfig``), e.g. a Redis server shared by several runs: a run whose prompt
 starts with chunks another run stored skips their prefill (``cached_chunks`` in the output).
 """
 
@@ -40,7 +40,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--source", default=None, choices=["memory", "file", "resident"],
                    help="where the full prefix KV lives between verifications (default memory)")
     p.add_argument("--store-config", default=None, metavar="JSON",
-                   help='dual-tier store as a JSON object of DualTierStore.from_config keys, e.g. '
+                   help='dual-tier store as a JSON object of StoreConfig keys, e.g. '
                         '\'{"capacity": "redis", "redis_url": "redis://127.0.0.1:6379/0"}\'; compressor, '
                         'compressor_params and num_kv_heads default to the run\'s (replaces --source)')
     p.add_argument("--swap-dir", default=None, help="folder for --source file (default: a temporary folder)")
@@ -61,11 +61,15 @@ def _json_object(text: str | None, flag: str) -> dict | None:
     return obj
 
 
-def _parse(args: argparse.Namespace) -> tuple[dict, int | str, dict | None]:
-    params = _json_object(args.compressor_params, "--compressor-params") or {}
+def _parse(args: argparse.Namespace) -> tuple[dict | None, int | str, dict | None]:
+    from ..backends import StoreConfig
+
+    params = _json_object(args.compressor_params, "--compressor-params")
     store_config = _json_object(args.store_config, "--store-config")
     if store_config is not None and (args.source is not None or args.swap_dir is not None):
         raise ValueError("--store-config replaces --source/--swap-dir; give one or the other")
+    if store_config is not None:  # validated now, before the model loads
+        StoreConfig.parse(store_config, where="--store-config")
     draft_len: int | str = args.draft_len
     if draft_len != "auto":
         try:
@@ -85,12 +89,12 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from ..backends import DualTierStore, TierError
+    from ..backends import TierError
     from ..data import stdlib_path
     from ..engine import NgramProposer, VeriCacheEngine
     from ..models import load_model
 
-    store, tmp_swap = None, None
+    eng, tmp_swap = None, None
     try:
         params, draft_len, store_config = _parse(args)
         path = Path(args.prompt_file) if args.prompt_file else stdlib_path(DEFAULT_STDLIB)
@@ -106,22 +110,19 @@ def run(args: argparse.Namespace) -> int:
         source = args.source or "memory"
         if source == "file" and not args.swap_dir:  # ours to remove when the run ends
             tmp_swap = tempfile.mkdtemp(prefix="vericache-swap-")
-        swap_dir = args.swap_dir or tmp_swap
-        compressor, compressor_params = args.compressor or "streamingllm", params
-        if store_config is not None:
-            store_config.setdefault("compressor", compressor)
-            store_config.setdefault("compressor_params", params)
-            store_config.setdefault("num_kv_heads", model.config.num_key_value_heads)
-            source = store = DualTierStore.from_config(store_config)
-            if args.compressor is None:  # take the store's; one given by name must match it
-                compressor, compressor_params = None, None
-        eng = VeriCacheEngine(model, compressor, compressor_params, draft_len=draft_len, source=source,
-                              swap_dir=swap_dir, ngram=NgramProposer() if args.ngram else None)
+        # --source is shorthand for a store config; the engine builds (and owns) the store from it.
+        store = store_config if store_config is not None else {
+            "memory": {"capacity": "memory"}, "resident": "resident",
+            "file": {"capacity": "disk", "disk_path": args.swap_dir or tmp_swap}}[source]
+        if args.compressor is None and not (isinstance(store, dict) and "compressor" in store):
+            args.compressor = "streamingllm"
+        eng = VeriCacheEngine(model, args.compressor, params, draft_len=draft_len, store=store,
+                              ngram=NgramProposer() if args.ngram else None)
         [res] = eng.generate([ids], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                              top_p=args.top_p, seed=args.seed)
     except (ValueError, TierError) as e:
-        if store is not None:
-            store.close()
+        if eng is not None:
+            eng.close()
         if tmp_swap:
             shutil.rmtree(tmp_swap, ignore_errors=True)
         print(f"vericache generate: error: {e}", file=sys.stderr)
@@ -147,8 +148,6 @@ def run(args: argparse.Namespace) -> int:
                      min(len(res.tokens), len(ref.tokens)))
             out["divergence"] = {"position": i, "reference_logit_margin": ref.margins[i] if i < len(ref.margins) else None}
     eng.close()
-    if store is not None:
-        store.close()
     if tmp_swap:
         shutil.rmtree(tmp_swap, ignore_errors=True)
     if args.json:

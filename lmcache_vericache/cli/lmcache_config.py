@@ -20,8 +20,8 @@ import sys
 from typing import Any
 
 PLUGIN_NAME = "vericache"
-INPROCESS_MODULE, INPROCESS_CLASS = "lmcache_vericache.backends.lmcache_plugin", "VeriCacheBackend"
-L2_MODULE, L2_CLASS = "lmcache_vericache.backends.l2_adapter", "VeriCacheL2Adapter"
+INPROCESS_MODULE, INPROCESS_CLASS = "lmcache_vericache.backends.lmcache.plugin", "VeriCacheBackend"
+L2_MODULE, L2_CLASS = "lmcache_vericache.backends.lmcache.l2_adapter", "VeriCacheL2Adapter"
 
 
 def inprocess_config(params: dict[str, Any], *, chunk_size: int = 256, local_cpu_gb: float = 1) -> dict:
@@ -33,6 +33,9 @@ def inprocess_config(params: dict[str, Any], *, chunk_size: int = 256, local_cpu
     }
     return {
         "chunk_size": chunk_size,
+        # The prefix chain the engine and other hosts compute too (backends/keys.py); LMCache's
+        # default (Python's hash) differs per process and would keep chunks private.
+        "pre_caching_hash_algorithm": "sha256_cbor",
         "local_cpu": True,
         "max_local_cpu_size": local_cpu_gb,
         "storage_plugins": [PLUGIN_NAME],
@@ -73,11 +76,14 @@ def add_parser(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--format", choices=("yaml", "l2-json", "server"), default="yaml")
-    s = p.add_argument_group("store (DualTierStore.from_config keys)")
+    s = p.add_argument_group("store (StoreConfig keys)")
     s.add_argument("--compressor", default="int8", help="compression method (default int8)")
     s.add_argument("--compressor-param", action="append", default=[], metavar="NAME=VALUE",
                    help="a method parameter; VALUE is parsed as JSON when it can be (repeatable)")  # fmt: skip
     s.add_argument("--capacity", choices=("disk", "redis", "memory"), default="disk")
+    s.add_argument("--model-id", default=None,
+                   help="model identity in chunk keys (default: the host's model name); set the same "
+                        "value on every host that shares the store")
     s.add_argument("--disk-path", default="/tmp/vericache-kv")
     s.add_argument("--redis-url", default=None)
     s.add_argument("--hot-bytes", type=int, default=None, help="compressed chunks kept in memory")
@@ -114,7 +120,7 @@ def _params(args: argparse.Namespace) -> dict[str, Any]:
         params["disk_path"] = args.disk_path
     if args.redis_url is not None:
         params["redis_url"] = args.redis_url
-    for name in ("hot_bytes", "num_kv_heads"):
+    for name in ("hot_bytes", "num_kv_heads", "model_id"):
         if getattr(args, name) is not None:
             params[name] = getattr(args, name)
     return params
@@ -123,13 +129,12 @@ def _params(args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     import yaml
 
-    from ..backends.lmcache_plugin import store_config
+    from ..backends import StoreConfig
 
     try:
         params = _params(args)
         if args.format == "yaml":
-            # num_kv_heads comes from the model in-process; validate with a placeholder if absent.
-            store_config({"num_kv_heads": 1, **params}, prefix="", where="store options")
+            StoreConfig.parse(params, where="store options")  # num_kv_heads comes from the model
             cfg = inprocess_config(params, chunk_size=args.chunk_size, local_cpu_gb=args.local_cpu_gb)
             print(yaml.safe_dump(cfg, sort_keys=False), end="")
             return 0
@@ -137,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(
                 "--num-kv-heads is required for the multiprocess server (it does not know the model)"
             )
-        store_config(params, prefix="", where="store options")
+        StoreConfig.parse(params, where="store options")
     except ValueError as e:
         print(f"vericache lmcache-config: {e}", file=sys.stderr)
         return 2

@@ -5,9 +5,8 @@
 >>> [res] = eng.generate(prompt_ids, max_new_tokens=128)      # greedy; lossless
 >>> res.tokens, res.stats.mean_accepted, res.stats.hidden_swap_fraction
 >>> [ref] = eng.reference(prompt_ids, max_new_tokens=128)     # plain full-KV decoding, same runtime
->>> store = DualTierStore.from_config({"compressor": "int8", "num_kv_heads": 3, "capacity": "redis",
-...                                    "redis_url": "redis://127.0.0.1:6379/0"})
->>> eng = VeriCacheEngine(model, source=store)                 # shared prefix cache across processes
+>>> eng = VeriCacheEngine(model, "int8", store={"capacity": "redis",   # shared prefix cache
+...                                           "redis_url": "redis://127.0.0.1:6379/0"})
 """
 
 from .engine import VeriCacheEngine
@@ -15,10 +14,10 @@ from .horizon import Horizon
 from .proposer import NgramProposer
 from .request import RequestStats, Result
 from .runtime import KVCache, Runtime, Segment
-from .swap import Source, SwapIn, chunk_keys, model_fingerprint
+from .swap import Source, SwapIn
 from .verify import Sampling, accept
 
 __all__ = [
     "Horizon", "KVCache", "NgramProposer", "RequestStats", "Result", "Runtime", "Sampling", "Segment", "Source",
-    "SwapIn", "VeriCacheEngine", "accept", "chunk_keys", "model_fingerprint",
+    "SwapIn", "VeriCacheEngine", "accept",
 ]

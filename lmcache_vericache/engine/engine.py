@@ -26,22 +26,22 @@ each request's tokens depend only on its own caches.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from .. import compressors
-from ..backends import DiskTier, DualTierStore, MemoryTier, TierError
-from ..compressors import CompressedKV, KVCompressor
+from ..backends import DualTierStore, StoreConfig, TierError
+from ..backends.keys import KeySpace, model_fingerprint
+from ..compressors import CompressedKV
 from .horizon import DraftLen, Horizon, check_draft_len
 from .proposer import NgramProposer
 from .request import Request, Result
 from .runtime import Runtime, Segment
-from .swap import SwapIn, chunk_keys, model_fingerprint
+from .swap import SwapIn
 from .verify import Sampling, accept
 
 logger = logging.getLogger(__name__)
@@ -53,49 +53,70 @@ Prompts = Sequence[int] | Tensor | Sequence[Sequence[int]]
 class VeriCacheEngine:
     """Lossless compressed-KV drafting for a Llama-family HF model.
 
-    ``source``: where full prefix chunks live between verifications: ``"memory"`` (a
-    :class:`DualTierStore` over a byte-bounded :class:`MemoryTier` of ``memory_bytes``), ``"file"``
-    (over a :class:`DiskTier` in ``swap_dir``), any :class:`DualTierStore` (e.g. a shared Redis one:
-    then prompts whose prefix it holds skip that prefill), or ``"resident"`` (never swapped out: the
-    baseline where the full KV fits). The engine compresses with the store's compressor: pass
-    ``compressor=None`` to take it, or one with the same method and parameters.
+    ``store``: where the full prefix chunks live between verifications, and the only owner of
+    storage. ``None`` (default) or a :class:`StoreConfig` / mapping of its keys: the engine builds
+    the store (a byte-bounded memory tier unless the config says ``capacity``) and closes it;
+    ``compressor`` / ``compressor_params`` fill the config's. A :class:`DualTierStore` (e.g. a shared
+    Redis one, where prompts whose prefix it holds skip that prefill) belongs to the caller; the
+    engine drafts with its compressor. ``"resident"``: no store, the full KV never leaves the
+    request (the baseline where it fits); ``compressor`` then names the drafter's method.
 
-    Chunk keys are chained prefix hashes salted with the model's fingerprint, dtype, chunk size
-    and compressor, so engines share chunks exactly when the chunks are interchangeable.
+    Chunk keys come from the shared key scheme (:class:`~lmcache_vericache.backends.keys.KeySpace`):
+    the same prompt chunk has the same key in every host (LMCache plugin, L2 adapter) whose key
+    space agrees: ``model_id`` (default: a digest of this model's weights), ``hash_scheme``
+    (default ``blake3``, the LMCache server's), dtype, ``chunk_size`` and compressor.
     """
 
-    def __init__(self, model: torch.nn.Module, compressor: str | KVCompressor | None = None,
+    def __init__(self, model: torch.nn.Module, compressor: str | None = None,
                  compressor_params: dict[str, Any] | None = None, *, chunk_size: int = 256,
-                 draft_len: DraftLen = 16, max_draft_len: int = 64, source: str | DualTierStore = "memory",
-                 swap_dir: str | None = None, stagger: bool = True, ngram: NgramProposer | None = None,
-                 query_window: int = 32, eos_ids: set[int] | None = None, memory_bytes: int = 4 << 30):
+                 draft_len: DraftLen = 16, max_draft_len: int = 64,
+                 store: DualTierStore | StoreConfig | Mapping[str, Any] | str | None = None,
+                 stagger: bool = True, ngram: NgramProposer | None = None, query_window: int = 32,
+                 eos_ids: set[int] | None = None, model_id: str | None = None):
         self.rt = Runtime(model)
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         check_draft_len(draft_len, max_draft_len)
-        store = source if isinstance(source, DualTierStore) else None
-        if store is None and source not in ("memory", "file", "resident"):
-            raise ValueError(f"source must be 'memory', 'file', 'resident' or a DualTierStore, got {source!r}")
-        if source == "file" and swap_dir is None:
-            raise ValueError("source='file' needs swap_dir")
-        self.compressor = _resolve_compressor(compressor, compressor_params, store)
-        if store is not None and store.num_kv_heads != self.rt.num_kv_heads:
-            raise ValueError(f"store has num_kv_heads={store.num_kv_heads}, the model {self.rt.num_kv_heads}")
-        self._owns_store = store is None and source != "resident"
-        if self._owns_store:
-            capacity = MemoryTier(memory_bytes) if source == "memory" else DiskTier(swap_dir)  # type: ignore[arg-type]
-            store = DualTierStore(self.compressor, capacity, num_kv_heads=self.rt.num_kv_heads)
-        self.store: DualTierStore | None = store
+        config, self.store, self._owns_store = self._store_config(store, compressor, compressor_params)
+        self.compressor = (self.store.compressor if self.store is not None
+                           else compressors.get(config.compressor, **config.compressor_params))
         self.chunk_size, self.draft_len, self.max_draft_len = chunk_size, draft_len, max_draft_len
         self.stagger, self.ngram, self.query_window = stagger, ngram, query_window
         self.eos_ids = set(self.rt.eos_ids if eos_ids is None else eos_ids)
-        self.salt = "|".join([model_fingerprint(model), str(self.rt.dtype), str(chunk_size), self.compressor.name,
-                              json.dumps(self.compressor.params(), sort_keys=True, default=str)])
+        if model_id is not None:
+            config = StoreConfig.parse({**_fields(config), "model_id": model_id}, where="VeriCacheEngine")
+        self.key_space: KeySpace = config.key_space(
+            model=config.model_id or model_fingerprint(model), dtype=self.rt.dtype, chunk_size=chunk_size)
         self._on_round: Callable[[Request], None] | None = None
 
+    def _store_config(self, store: Any, compressor: str | None,
+                      params: dict[str, Any] | None) -> tuple[StoreConfig, DualTierStore | None, bool]:
+        """(config, store, owned). The config names the compressor and key settings in every case."""
+        heads = self.rt.num_kv_heads
+        if isinstance(store, DualTierStore):
+            ours = store.compressor
+            given = compressors.get(compressor, **(params or {})) if compressor is not None else ours
+            if (given.name, given.params()) != (ours.name, ours.params()):
+                raise ValueError(f"compressor {compressor} {params or {}} differs from the store's {ours.name} "
+                                 f"{ours.params()}; pass compressor=None to use the store's")
+            if store.num_kv_heads != heads:
+                raise ValueError(f"store has num_kv_heads={store.num_kv_heads}, the model {heads}")
+            return (StoreConfig(store.compressor.name, heads, store.compressor.params()), store, False)
+        if isinstance(store, str) and store != "resident":
+            raise ValueError(f"store must be a DualTierStore, a StoreConfig, a mapping or 'resident', got {store!r}")
+        values = {} if store in (None, "resident") else _fields(store)
+        if compressor is not None:
+            values["compressor"] = compressor
+        if params is not None:
+            values["compressor_params"] = params
+        config = StoreConfig.parse(values, where="VeriCacheEngine store config").with_heads(heads)
+        if store == "resident":
+            return config, None, False
+        return config, config.build(), True
+
     def chunk_keys(self, tokens: Sequence[int]) -> list[str]:
-        """Store keys of the full chunks of ``tokens``, as this engine puts and looks them up."""
-        return chunk_keys(list(tokens), self.chunk_size, self.salt)
+        """Store keys of the full chunks of ``tokens``, as every host names them."""
+        return self.key_space.token_keys(tokens)
 
     def close(self) -> None:
         """Close the store if the engine made it (a store passed in belongs to the caller)."""
@@ -420,18 +441,9 @@ def _as_batch(prompts: Prompts, vocab: int) -> list[list[int]]:
     return batch
 
 
-def _resolve_compressor(compressor: str | KVCompressor | None, params: dict[str, Any] | None,
-                        store: DualTierStore | None) -> KVCompressor:
-    """The one compressor object of engine and store (the store compresses on put; the engine
-    decompresses what the store returns)."""
-    if isinstance(compressor, str):
-        compressor = compressors.get(compressor, **(params or {}))
-    elif params:
-        raise ValueError("compressor_params only apply when compressor is given by name")
-    if store is None:
-        return compressor if compressor is not None else compressors.get("int8")
-    ours = store.compressor
-    if compressor is not None and (compressor.name, compressor.params()) != (ours.name, ours.params()):
-        raise ValueError(f"compressor {compressor.name} {compressor.params()} differs from the store's "
-                         f"{ours.name} {ours.params()}; pass compressor=None to use the store's")
-    return ours
+def _fields(config: StoreConfig | Mapping[str, Any]) -> dict[str, Any]:
+    if isinstance(config, StoreConfig):
+        return {k: v for k, v in vars(config).items()}
+    if not isinstance(config, Mapping):
+        raise ValueError(f"store config must be a StoreConfig or a mapping, got {type(config).__name__}")
+    return dict(config)

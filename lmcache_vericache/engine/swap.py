@@ -1,4 +1,4 @@
-"""Chunk keys of a prompt and the background swap-in of its full prefix KV.
+"""The background swap-in of a request's full prefix KV.
 
 The full prefix KV lives between verifications in the project's :class:`~lmcache_vericache.backends.
 DualTierStore` (one checksummed full-chunk format, one disk tier, one store); anything with the
@@ -14,14 +14,11 @@ stream wait for it.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Protocol
 
-import numpy as np
 import torch
 
 from .runtime import KVCache
@@ -36,30 +33,6 @@ class Handle(Protocol):
 
 class Source(Protocol):
     def prefetch(self, keys: list[str]) -> Handle: ...
-
-
-def chunk_keys(tokens: list[int], chunk_size: int, salt: str = "") -> list[str]:
-    """Chained prefix hashes (LMCache style): chunk i's key depends on every token before its end."""
-    keys, h = [], salt.encode()
-    for s in range(0, len(tokens) - chunk_size + 1, chunk_size):
-        h = hashlib.sha256(h + np.asarray(tokens[s:s + chunk_size], dtype=np.int64).tobytes()).digest()
-        keys.append(h.hex()[:32])
-    return keys
-
-
-@torch.inference_mode()
-def model_fingerprint(model: torch.nn.Module) -> str:
-    """Identity of a model's weights and shape, equal in every process that loads the same model.
-    Chunk keys are salted with it: KV of one model must never verify another's drafts. The config
-    alone names the architecture, not the weights, so the first values of every tensor join it."""
-    cfg = model.config
-    h = hashlib.sha256(json.dumps({k: str(getattr(cfg, k, None)) for k in (
-        "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-        "head_dim", "vocab_size", "rope_theta", "rope_scaling", "rms_norm_eps")}, sort_keys=True).encode())
-    for name, p in model.named_parameters():
-        h.update(name.encode())
-        h.update(p.detach().reshape(-1)[:16].float().cpu().numpy().tobytes())
-    return h.hexdigest()[:32]
 
 
 _SWAP_POOL = ThreadPoolExecutor(2, thread_name_prefix="vericache-swap")

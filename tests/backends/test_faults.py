@@ -16,7 +16,7 @@ import redis
 import torch
 
 from lmcache_vericache import compressors
-from lmcache_vericache.backends import DiskTier, DualTierStore, TierError
+from lmcache_vericache.backends import DiskTier, DualTierStore, StoreConfig, TierError
 from lmcache_vericache.backends.store import COMPRESSED_SUFFIX, FULL_SUFFIX
 from lmcache_vericache.backends.tiers.lm import LMServerTier
 from lmcache_vericache.backends.tiers.redis import RedisTier
@@ -176,10 +176,10 @@ def test_disk_restart_finds_earlier_chunks(tmp_path, chunks):
 WRITER = textwrap.dedent(
     """
     import sys, torch
-    from lmcache_vericache.backends import DualTierStore
+    from lmcache_vericache.backends import StoreConfig
     url, prefix = sys.argv[1], sys.argv[2]
-    store = DualTierStore.from_config({"compressor": "int8", "num_kv_heads": 3, "capacity": "redis",
-                                       "redis_url": url, "redis_prefix": prefix})
+    store = StoreConfig.parse({"compressor": "int8", "num_kv_heads": 3, "capacity": "redis",
+                               "redis_url": url, "redis_prefix": prefix}).build()
     for i in range(4):
         g = torch.Generator().manual_seed(100 + i)
         store.put(f"shared{i}", torch.randn(2, 2, 16, 24, generator=g).bfloat16(), start=16 * i)
@@ -193,9 +193,9 @@ def test_second_process_sees_first_process_chunks_through_redis(redis_server):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     subprocess.run([sys.executable, "-c", WRITER, redis_server.url, prefix], check=True, cwd=REPO, env=env, timeout=120)
     expected = [torch.randn(2, 2, 16, 24, generator=torch.Generator().manual_seed(100 + i)).bfloat16() for i in range(4)]
-    store = DualTierStore.from_config(
+    store = StoreConfig.parse(
         {"compressor": "int8", "num_kv_heads": 3, "capacity": "redis", "redis_url": redis_server.url, "redis_prefix": prefix}
-    )
+    ).build()
     with store:
         keys = [f"shared{i}" for i in range(4)]
         ckvs = store.get_compressed_prefix(keys)

@@ -15,13 +15,13 @@ import time
 
 import pytest
 import torch
-from lmcache.v1.distributed.api import ObjectKey
+from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
 from lmcache.v1.distributed.l2_adapters import create_l2_adapter
 from lmcache.v1.distributed.l2_adapters.config import add_l2_adapters_args, parse_args_to_l2_adapters_config
 from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
 from lmcache.v1.platform.event_notifier import consume_fd
 
-from lmcache_vericache.backends.l2_adapter import VeriCacheL2Adapter
+from lmcache_vericache.backends.lmcache.l2_adapter import VeriCacheL2Adapter
 from lmcache_vericache.testing.servers import LMCacheServer, shipped_spec
 
 LAYERS, HEADS, HEAD_DIM, CHUNK = 2, 3, 8, 256
@@ -103,7 +103,8 @@ def test_store_lookup_load_round_trip_is_bit_exact(adapter):
         obj.tensor.fill_(0)
 
     keys = [key(0), key(1), key(2)]
-    lookup_id = adapter.submit_lookup_and_lock_task(keys, {})
+    # The server always passes the group's layout (it skips L2 lookups without one).
+    lookup_id = adapter.submit_lookup_and_lock_task(keys, {0: MemoryLayoutDesc([data[0].shape], [data[0].dtype])})
     found = wait_for(
         adapter.get_lookup_and_lock_event_fd(), lambda: adapter.query_lookup_and_lock_result(lookup_id)
     )

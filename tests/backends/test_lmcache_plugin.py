@@ -25,7 +25,7 @@ from lmcache.v1.gpu_connector import CreateGPUConnector
 from lmcache.v1.gpu_connector.mock_gpu_connector import MockGPUConnector
 from lmcache.v1.metadata import LMCacheMetadata
 
-from lmcache_vericache.backends.lmcache_plugin import VeriCacheBackend, check_backend
+from lmcache_vericache.backends.lmcache.plugin import VeriCacheBackend, check_backend
 from lmcache_vericache.backends.store import FULL_SUFFIX
 
 YAML = Path(__file__).parents[2] / "configs" / "lmcache-vericache.yaml"
@@ -164,9 +164,9 @@ def test_store_then_retrieve_in_a_fresh_engine_is_bit_exact(engines, tier_config
     backend_a.flush()
     keys = chunk_keys(engine_a, tokens)
     assert backend_a.stats["put_chunks"] == 3
-    assert all(backend_a.store.contains(k.to_string()) for k in keys)
+    assert all(backend_a.store.contains(backend_a.key(k)) for k in keys)
     # the compressed copy for the drafter is there too
-    assert all(backend_a.store.get_compressed(k.to_string()) is not None for k in keys)
+    assert all(backend_a.store.get_compressed(backend_a.key(k)) is not None for k in keys)
     engines.stop(engine_a)
 
     engine_b, conn_b = engines.start(cfg, torch.zeros_like(kv))
@@ -208,7 +208,7 @@ def test_batched_get_non_blocking_returns_only_the_hit_prefix(engines, tmp_path)
     backend.flush()
     keys = chunk_keys(engine, tokens)
     # Lose the middle chunk's full copy: chunk 0 is served, chunk 2 must not be.
-    backend.store.capacity.delete(keys[1].to_string() + FULL_SUFFIX)
+    backend.store.capacity.delete(backend.key(keys[1]) + FULL_SUFFIX)
 
     objs = asyncio.run(backend.batched_get_non_blocking("lookup", keys))
     assert len(objs) == 1

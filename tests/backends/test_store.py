@@ -212,7 +212,7 @@ def test_from_config_builds_each_tier(tmp_path, redis_server, lm_server, chunks)
         {"capacity": "redis", "redis_url": redis_server.url, "redis_prefix": f"cfg-{uuid.uuid4().hex}:"},
         {"capacity": "lm", "lm_url": lm_server.url, "lm_namespace": f"cfg-{uuid.uuid4().hex}"},
     ):
-        with DualTierStore.from_config({**base, **extra, "hot_bytes": 1 << 20, "max_concurrent_reads": 2}) as store:
+        with StoreConfig.parse({**base, **extra, "hot_bytes": 1 << 20, "max_concurrent_reads": 2}).build() as store:
             store.put("k", chunks[0])
             assert torch.equal(store.get_full("k"), chunks[0])
             assert store.get_compressed("k").params["keep_ratio"] == 0.5 and store.max_concurrent_reads == 2
@@ -221,13 +221,15 @@ def test_from_config_builds_each_tier(tmp_path, redis_server, lm_server, chunks)
 @pytest.mark.parametrize(
     "bad,message",
     [
-        ({"dualtier.disk_path": "/x", "bogus": 1}, r"unknown store config key\(s\) \['bogus', 'dualtier.disk_path'\]"),
-        ({"num_kv_heads": "3"}, "num_kv_heads must be int"),
+        ({"dualtier.disk_path": "/x", "bogus": 1}, r"store config: unknown key 'bogus', 'dualtier.disk_path'"),
+        ({"num_kv_heads": "3"}, "num_kv_heads must be int or null, got str"),
         ({"num_kv_heads": 0}, "num_kv_heads must be > 0"),
-        ({"hot_bytes": True}, "hot_bytes must be int"),
+        ({"hot_bytes": True}, "hot_bytes must be int, got bool"),
         ({"capacity": "tape"}, "capacity must be one of"),
-        ({"capacity": "redis"}, "needs redis_url"),
-        ({"capacity": "lm"}, "needs lm_url"),
+        ({"capacity": "redis"}, "redis_url is required for capacity 'redis'"),
+        ({"capacity": "lm"}, "lm_url is required"),
+        ({"hash_scheme": "md5"}, "hash_scheme must be one of"),
+        ({"model_id": ""}, "model_id must not be empty"),
         ({"compressor": "nope"}, "unknown compressor 'nope'"),
         ({"compressor_params": {"bits": 3}}, "has no parameter"),
     ],
@@ -235,12 +237,22 @@ def test_from_config_builds_each_tier(tmp_path, redis_server, lm_server, chunks)
 def test_config_errors_name_the_problem(tmp_path, bad, message):
     cfg = {"compressor": "int8", "num_kv_heads": HEADS, "disk_path": str(tmp_path), **bad}
     with pytest.raises(ValueError, match=message):
-        StoreConfig.from_dict(cfg)
+        StoreConfig.parse(cfg)
 
 
-def test_config_requires_compressor_and_heads():
-    with pytest.raises(ValueError, match=r"missing store config key\(s\) \['compressor', 'num_kv_heads'\]"):
-        StoreConfig.from_dict({"capacity": "memory"})
+def test_config_errors_name_the_key_as_the_user_wrote_it():
+    with pytest.raises(ValueError, match=r"^LMCache extra_config: vericache.hot_bytes must be > 0, got 0$"):
+        StoreConfig.parse({"hot_bytes": 0}, where="LMCache extra_config", prefix="vericache.")
+    with pytest.raises(ValueError, match=r"^L2 adapter_params: unknown key 'bogus'; valid keys: compressor, "):
+        StoreConfig.parse({"bogus": 1}, where="L2 adapter_params")
+
+
+def test_build_needs_heads_and_heads_must_agree():
+    with pytest.raises(ValueError, match="num_kv_heads is required"):
+        StoreConfig().build()
+    with pytest.raises(ValueError, match="num_kv_heads = 4 disagrees with the model's 3"):
+        StoreConfig(num_kv_heads=4).with_heads(3)
+    assert StoreConfig().with_heads(3).num_kv_heads == 3
 
 
 def test_full_only_put_is_contained_and_served_full(tmp_path):

@@ -14,7 +14,7 @@ import logging
 
 import pytest
 
-from lmcache_vericache.backends import DualTierStore
+from lmcache_vericache.backends import StoreConfig
 from lmcache_vericache.backends.store import FULL_SUFFIX
 from lmcache_vericache.data import prompt_ids, stdlib_source
 from lmcache_vericache.engine import VeriCacheEngine
@@ -28,7 +28,7 @@ def case(smollm2):
     """A 1024-token stdlib prompt (4 chunks) and its plain full-KV greedy continuation."""
     model, tok = smollm2
     prompt = prompt_ids(tok, stdlib_source("json/decoder.py"), CHUNKS * 256).tolist()
-    [ref] = VeriCacheEngine(model, METHOD, PARAMS, source="resident").reference([prompt], N_NEW)
+    [ref] = VeriCacheEngine(model, METHOD, PARAMS, store="resident").reference([prompt], N_NEW)
     return model, prompt, ref.tokens
 
 
@@ -42,10 +42,10 @@ def _kill_after(rounds: int, action):
 def test_redis_killed_mid_decode_finishes_identically(case, redis_server_factory, caplog):  # noqa: F811
     model, prompt, ref = case
     server = redis_server_factory()
-    store = DualTierStore.from_config({"compressor": METHOD, "compressor_params": PARAMS, "num_kv_heads": 3,
-                                       "capacity": "redis", "redis_url": server.url})
+    store = StoreConfig.parse({"compressor": METHOD, "compressor_params": PARAMS, "num_kv_heads": 3,
+                               "capacity": "redis", "redis_url": server.url}).build()
     with store, caplog.at_level(logging.WARNING):
-        eng = VeriCacheEngine(model, source=store, draft_len=16)
+        eng = VeriCacheEngine(model, store=store, draft_len=16)
         [out] = eng.generate([prompt], N_NEW, on_round=_kill_after(2, server.kill))
         assert server.proc.poll() is not None  # really dead before the decode finished
         s = out.stats
@@ -60,7 +60,7 @@ def test_redis_killed_mid_decode_finishes_identically(case, redis_server_factory
 
 def test_corrupt_full_chunk_on_disk_is_never_verified_against(case, tmp_path, caplog):
     model, prompt, ref = case
-    eng = VeriCacheEngine(model, METHOD, PARAMS, source="file", swap_dir=str(tmp_path), draft_len=16)
+    eng = VeriCacheEngine(model, METHOD, PARAMS, store={"capacity": "disk", "disk_path": str(tmp_path)}, draft_len=16)
     victim = eng.store.capacity._file(eng.chunk_keys(prompt)[1] + FULL_SUFFIX)
 
     def damage():  # one flipped payload bit, in place, as a bad disk would do

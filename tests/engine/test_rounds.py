@@ -71,7 +71,7 @@ def test_max_new_tokens_exact_and_eos_stops(tiny_model):
 
 @pytest.mark.parametrize("variant", [
     dict(draft_len="auto"), dict(draft_len=1), dict(draft_len=0), dict(stagger=False), dict(draft_len=12, stagger=True),
-    dict(ngram=NgramProposer(max_ngram=3, num_tokens=5)), dict(source="resident"),
+    dict(ngram=NgramProposer(max_ngram=3, num_tokens=5)), dict(store="resident"),
 ])
 def test_scheduling_changes_speed_not_tokens(tiny_model, variant):
     prompts = random_prompts(4, [300, 200, 129, 64])
@@ -96,7 +96,7 @@ def test_swap_misses_are_recomputed(tiny_model):
     prompts = random_prompts(2, [400, 300])
     ref = _eng(tiny_model).reference(prompts, 40)
     store = DualTierStore(C.get(SL[0], **SL[1]), MemoryTier(1 << 30), num_kv_heads=Runtime(tiny_model).num_kv_heads)
-    eng = _eng(tiny_model, source=store)
+    eng = _eng(tiny_model, store=store)
     assert eng.compressor is store.compressor  # one compressor: the store compresses, the engine decompresses
     first = eng.generate(prompts, 40)
     assert [o.tokens for o in first] == [r.tokens for r in ref]
@@ -117,7 +117,7 @@ def test_swap_misses_are_recomputed(tiny_model):
 def test_file_source_and_corruption(tiny_model, tmp_path):
     prompts = random_prompts(1, [300])
     ref = _eng(tiny_model).reference(prompts, 40)
-    eng = _eng(tiny_model, source="file", swap_dir=str(tmp_path))
+    eng = _eng(tiny_model, store={"capacity": "disk", "disk_path": str(tmp_path)})
     assert isinstance(eng.store.capacity, DiskTier) and eng.compressor is eng.store.compressor
     [out] = eng.generate(prompts, 40)
     assert out.tokens == ref[0].tokens and out.stats.recomputed_chunks == 0
@@ -156,7 +156,7 @@ def test_failed_put_keeps_the_rest_resident(tiny_model):
     ref = _eng(tiny_model).reference(prompts, 40)
     heads = Runtime(tiny_model).num_kv_heads
     store = DualTierStore(C.get(SL[0], **SL[1]), _FailingTier(1 << 30, ok=2 * 2), num_kv_heads=heads)  # 2 chunks
-    eng = _eng(tiny_model, source=store)
+    eng = _eng(tiny_model, store=store)
     seen = []
     [out] = eng.generate(prompts, 40, on_round=lambda r: seen.append((r.prefix, len(r.keys))))
     assert out.tokens == ref[0].tokens
@@ -194,7 +194,7 @@ def test_error_mid_generate_cancels_swaps(tiny_model, monkeypatch):
     heads = Runtime(tiny_model).num_kv_heads
     # 3 chunks a prompt, one read at a time, 0.2 s each: a swap takes 0.6 s, drafting milliseconds
     store = DualTierStore(C.get(SL[0], **SL[1]), _SlowTier(1 << 30, 0.2), num_kv_heads=heads, max_concurrent_reads=1)
-    eng = _eng(tiny_model, source=store)
+    eng = _eng(tiny_model, store=store)
     in_flight = []
 
     def fail_while_swapping(r):  # the first round to end while another request's swap runs fails
@@ -220,19 +220,19 @@ def test_shared_prefix_from_the_store(tiny_model):
     b = a[:200] + random_prompts(1, [90], seed=6)[0]  # shares chunks 0-2 (192 tokens) with a
     ref = _eng(tiny_model).reference([a, b], 40)
     store = DualTierStore(C.get(SL[0], **SL[1]), MemoryTier(1 << 30), num_kv_heads=Runtime(tiny_model).num_kv_heads)
-    [out_a] = _eng(tiny_model, source=store).generate([a], 40)
-    [out_b] = _eng(tiny_model, source=store).generate([b], 40)
+    [out_a] = _eng(tiny_model, store=store).generate([a], 40)
+    [out_b] = _eng(tiny_model, store=store).generate([b], 40)
     assert out_a.tokens == ref[0].tokens and out_b.tokens == ref[1].tokens
     assert out_a.stats.cached_chunks == 0 and out_b.stats.cached_chunks == 3
     assert out_b.stats.ttft_s > 0 and out_b.stats.recomputed_chunks == 0
     # the first verify consumed the tail: the exact prefix was swapped in every round, tail included
     assert out_b.stats.bytes_moved == out_b.stats.rounds * 192 * Runtime(tiny_model).kv_bytes_per_token()
     fresh = DualTierStore(C.get(SL[0], **SL[1]), MemoryTier(1 << 30), num_kv_heads=Runtime(tiny_model).num_kv_heads)
-    both = _eng(tiny_model, source=fresh, draft_len="auto").generate([a, b], 40)
+    both = _eng(tiny_model, store=fresh, draft_len="auto").generate([a, b], 40)
     assert [o.tokens for o in both] == [r.tokens for r in ref]
     assert [o.stats.cached_chunks for o in both] == [0, 3]
     other = tiny_llama(seed=1)
-    [o] = _eng(other, source=store).generate([a], 5)
+    [o] = _eng(other, store=store).generate([a], 5)
     assert o.stats.cached_chunks == 0 and _eng(other).chunk_keys(a) != _eng(tiny_model).chunk_keys(a)
 
 
@@ -255,11 +255,13 @@ def test_bad_input(tiny_model):
         eng.generate([1, 2], 3, draft_len="fast")
     with pytest.raises(ValueError, match="unknown compressor"):
         VeriCacheEngine(tiny_model, "nope")
-    with pytest.raises(ValueError, match="source"):
-        VeriCacheEngine(tiny_model, "int8", source="tape")
-    with pytest.raises(ValueError, match="swap_dir"):
-        VeriCacheEngine(tiny_model, "int8", source="file")
+    with pytest.raises(ValueError, match="store must be"):
+        VeriCacheEngine(tiny_model, "int8", store="tape")
+    with pytest.raises(ValueError, match="disk_path is required for capacity 'disk'"):
+        VeriCacheEngine(tiny_model, "int8", store={"capacity": "disk"})
+    with pytest.raises(ValueError, match="unknown key 'swap_dir'"):
+        VeriCacheEngine(tiny_model, "int8", store={"swap_dir": "/tmp"})
     store = DualTierStore(C.get("int8"), MemoryTier(1 << 20), num_kv_heads=Runtime(tiny_model).num_kv_heads)
     with pytest.raises(ValueError, match="differs from the store"):
-        VeriCacheEngine(tiny_model, "kivi", source=store)
-    assert VeriCacheEngine(tiny_model, source=store).compressor is store.compressor
+        VeriCacheEngine(tiny_model, "kivi", store=store)
+    assert VeriCacheEngine(tiny_model, store=store).compressor is store.compressor

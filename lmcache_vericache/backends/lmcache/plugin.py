@@ -2,16 +2,20 @@
 
 Switched on by LMCache YAML (``configs/lmcache-vericache.yaml``)::
 
+    chunk_size: 256
+    pre_caching_hash_algorithm: sha256_cbor   # the chain the engine computes too (keys.py)
     storage_plugins: [vericache]
     extra_config:
-      storage_plugin.vericache.module_path: lmcache_vericache.backends.lmcache_plugin
+      storage_plugin.vericache.module_path: lmcache_vericache.backends.lmcache.plugin
       storage_plugin.vericache.class_name: VeriCacheBackend
-      vericache.capacity: disk              # every other ``vericache.<key>`` goes to
-      vericache.disk_path: /var/cache/kv    # DualTierStore.from_config(<key>=...)
+      vericache.capacity: disk              # every other ``vericache.<key>`` is a StoreConfig key
+      vericache.disk_path: /var/cache/kv
 
-The backend serves LMCache **full** chunks only (LMCache restores exact KV); the compressed copy
-that ``put`` also makes is what the draft path reads through the same store
-(:attr:`VeriCacheBackend.store`).
+Keys: LMCache hands over ``CacheEngineKey``\ s whose ``chunk_hash`` is LMCache's prefix chain;
+the store key is :meth:`KeySpace.key` of it, in the space of (``vericache.model_id`` or LMCache's
+model name, the key's dtype, LMCache's chunk size, ``kv_2ltd``, the hash algorithm, the
+compressor), the same key the engine computes from the tokens. LMCache serves **full** chunks only
+(it restores exact KV); the compressed copy each put also makes is for drafters sharing the store.
 
 LMCache 0.5.6 logs and swallows exceptions raised by a plugin's constructor, leaving the engine
 without the backend. The constructor therefore logs its error at ERROR naming the offending key,
@@ -21,7 +25,6 @@ records it, and :func:`check_backend` raises it again after start-up.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -34,8 +37,9 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
-from .config import StoreConfig
-from .store import DualTierStore
+from ..config import StoreConfig
+from ..keys import HASH_SCHEMES, KeySpace
+from ..store import DualTierStore
 
 logger = logging.getLogger(__name__)
 
@@ -51,29 +55,13 @@ def store_params(extra_config: Mapping[str, Any] | None, prefix: str = KEY_PREFI
     return {k[len(prefix) :]: v for k, v in (extra_config or {}).items() if k.startswith(prefix)}
 
 
-def store_config(params: dict[str, Any], *, prefix: str, where: str) -> StoreConfig:
-    """Validated store settings (``DualTierStore.from_config`` keys). A bad key raises
-    ``ValueError`` naming it as the user wrote it (``<prefix><key>``) and saying where it was."""
-    known = [f.name for f in dataclasses.fields(StoreConfig)]
-    unknown = sorted(set(params) - set(known))
-    if unknown:
-        valid = ", ".join(prefix + k for k in known)
-        raise ValueError(
-            f"{where}: unknown key {', '.join(repr(prefix + k) for k in unknown)}; valid keys: {valid}"
-        )
-    try:
-        return StoreConfig.from_dict(params)
-    except (ValueError, TypeError) as e:
-        # StoreConfig names the bare key; say which of the user's settings it is.
-        raise ValueError(f"{where} ({prefix}<key>): {e}" if prefix else f"{where}: {e}") from e
-
-
 class VeriCacheBackend(StoragePluginInterface):
     """LMCache storage backend over a :class:`DualTierStore`.
 
-    Contract with LMCache 0.5.6 (see ``LMCACHE_NOTES.md``):
+    Contract with LMCache 0.5.6 (``docs/architecture.md#lmcache-in-process``):
 
-    * Keys are ``CacheEngineKey.to_string()``; values are ``KV_2LTD`` chunks ``[2, L, T, H*D]``.
+    * Keys map to the store by :meth:`_key` (the shared key scheme); values are ``KV_2LTD`` chunks
+      ``[2, L, T, H*D]``.
     * Put is a broadcast after which LMCache drops its reference: each object is ref-counted up
       until a single background writer has copied it into the store (the store keeps bytes), then
       released. ``exists_in_put_tasks`` covers that window. Writes fail as logged errors, never
@@ -105,7 +93,7 @@ class VeriCacheBackend(StoragePluginInterface):
         )
         name = type(self).__name__
         try:
-            self.store = self._create_store(config, metadata)
+            self.store, self._spaces = self._create_store(config, metadata)
         except Exception as e:
             _construction_errors[name] = e
             logger.error("%s not created, LMCache will run without it: %s", name, e)
@@ -120,26 +108,43 @@ class VeriCacheBackend(StoragePluginInterface):
         self.stats = {"put_chunks": 0, "put_errors": 0, "get_chunks": 0, "get_misses": 0, "async_gets": 0}
 
     @staticmethod
-    def _create_store(config: Any, metadata: Any) -> DualTierStore:
+    def _create_store(config: Any, metadata: Any) -> tuple[DualTierStore, dict[str, KeySpace]]:
         if config is None or metadata is None:
             raise ValueError("needs LMCache's config and metadata")
         if metadata.use_mla or getattr(config, "use_layerwise", False) or metadata.get_num_groups() != 1:
             raise ValueError("supports KV_2LTD chunks only (no MLA, no use_layerwise, one layer group)")
-        params = store_params(config.extra_config)
-        kv_heads = metadata.kv_shape[3]
-        if params.setdefault("num_kv_heads", kv_heads) != kv_heads:
-            raise ValueError(
-                f"extra_config '{KEY_PREFIX}num_kv_heads' = {params['num_kv_heads']!r} disagrees with the "
-                f"model's {kv_heads} KV heads"
-            )
-        return store_config(params, prefix=KEY_PREFIX, where="LMCache extra_config").build()
+        where = "LMCache extra_config"
+        cfg = StoreConfig.parse(store_params(config.extra_config), where=where, prefix=KEY_PREFIX)
+        cfg = cfg.with_heads(metadata.kv_shape[3], where=where, prefix=KEY_PREFIX)
+        algorithm = getattr(config, "pre_caching_hash_algorithm", "builtin")
+        if cfg.hash_scheme is None and algorithm not in HASH_SCHEMES:
+            # Python's hash() chains differ per process unless PYTHONHASHSEED is set: chunks stay
+            # private to LMCache instances with the same seed and are never found by other hosts.
+            logger.warning("LMCache pre_caching_hash_algorithm=%r: chunks are found only by LMCache "
+                           "instances hashing the same way; use sha256_cbor to share them", algorithm)
+        scheme = {"sha256_cbor_64bit": "sha256_cbor"}.get(algorithm, algorithm)
+        space = lambda scheme: cfg.key_space(model=metadata.model_name, dtype=metadata.kv_dtype,  # noqa: E731
+                                             chunk_size=config.chunk_size, scheme=scheme)
+        spaces = {"": space(scheme) if scheme in HASH_SCHEMES or cfg.hash_scheme else _private_space(space, scheme)}
+        return cfg.build(), spaces
+
+    def key(self, key: CacheEngineKey) -> str:
+        """Store key of ``key``: the shared scheme, with LMCache's rank and tags as qualifiers."""
+        space = self._spaces[""]
+        if key.world_size != 1 or key.worker_id != 0 or key.tags:
+            # Another tensor-parallel slice or a tagged request: never interchangeable with rank 0's.
+            space = self._spaces.setdefault(f"{key.world_size}/{key.worker_id}/{key.tags}", _qualified(
+                space, f"tp{key.world_size}.{key.worker_id}" + "".join(f".{t}" for t in key.tags or ())))
+        if str(key.dtype).removeprefix("torch.") != space.dtype:
+            space = _qualified(space, f"dtype.{key.dtype}")
+        return space.key(key.chunk_hash)
 
     def __str__(self) -> str:
         return type(self).__name__
 
     # -- lookup ---------------------------------------------------------------------------------
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
-        return not self._closed and self.store.has_full(key.to_string())
+        return not self._closed and self.store.has_full(self.key(key))
 
     def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
         with self._lock:
@@ -172,7 +177,7 @@ class VeriCacheBackend(StoragePluginInterface):
             if obj.get_memory_format() != MemoryFormat.KV_2LTD:
                 logger.error("%s: cannot store %s in format %s", self, key, obj.get_memory_format())
                 continue
-            if self.exists_in_put_tasks(key) or self.store.has_full(key.to_string()):
+            if self.exists_in_put_tasks(key) or self.store.has_full(self.key(key)):
                 continue  # (a racing duplicate put is harmless: same bytes, atomic tier writes)
             with self._lock:
                 obj.ref_count_up()  # released by _write once the store has copied it
@@ -184,7 +189,7 @@ class VeriCacheBackend(StoragePluginInterface):
     def _write(self, key: CacheEngineKey, obj: MemoryObj, on_complete: Callable | None) -> None:
         try:
             # No chunk offset reaches a backend in LMCache: positions are chunk-relative (start=0).
-            self.store.put(key.to_string(), obj.tensor)
+            self.store.put(self.key(key), obj.tensor)
             ok = True
         except Exception as e:  # logged by the store for tier errors; never raise into LMCache
             ok = False
@@ -207,7 +212,7 @@ class VeriCacheBackend(StoragePluginInterface):
     def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
         if self._closed:
             return None
-        return self._to_memory_obj(key, self.store.get_full(key.to_string()))
+        return self._to_memory_obj(key, self.store.get_full(self.key(key)))
 
     async def batched_get_non_blocking(
         self, lookup_id: str, keys: list[CacheEngineKey], transfer_spec: Any = None
@@ -219,7 +224,7 @@ class VeriCacheBackend(StoragePluginInterface):
             return []
         with self._lock:
             self.stats["async_gets"] += 1
-        handle = self.store.prefetch([k.to_string() for k in keys])
+        handle = self.store.prefetch([self.key(k) for k in keys])
         out: list[MemoryObj] = []
         try:
             for i, key in enumerate(keys):
@@ -277,3 +282,15 @@ def check_backend(engine_or_storage_manager: Any, cls: type = VeriCacheBackend) 
     err = _construction_errors.get(cls.__name__)
     cause = f": {type(err).__name__}: {err}" if err else " (is it listed in storage_plugins?)"
     raise RuntimeError(f"LMCache started without the {cls.__name__} backend{cause}") from err
+
+
+def _qualified(space: KeySpace, qualifier: str) -> KeySpace:
+    from dataclasses import replace
+
+    return replace(space, layout=f"{space.layout}/{qualifier}")
+
+
+def _private_space(space: Callable[[str], KeySpace], algorithm: str) -> KeySpace:
+    """A space for a hash algorithm the shared scheme does not define: its own layout tag keeps
+    its keys apart from every shared one (same chain values can mean other tokens)."""
+    return _qualified(space("blake3"), f"hash.{algorithm}")

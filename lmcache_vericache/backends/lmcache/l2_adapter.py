@@ -3,17 +3,23 @@
 Loaded by the LMCache server (``configs/lmcache-server-l2.json``)::
 
     lmcache server ... --l2-adapter '{"type": "plugin",
-        "module_path": "lmcache_vericache.backends.l2_adapter",
+        "module_path": "lmcache_vericache.backends.lmcache.l2_adapter",
         "class_name": "VeriCacheL2Adapter",
         "adapter_params": {"capacity": "disk", "disk_path": "/var/cache/kv", "num_kv_heads": 8}}'
 
-``adapter_params`` are ``DualTierStore.from_config`` keys; LMCache finds
+``adapter_params`` are :class:`~lmcache_vericache.backends.config.StoreConfig` keys; LMCache finds
 :class:`VeriCacheL2AdapterConfig` by name and a bad key fails the server's start with an error
 naming it. The server has no model config, so ``num_kv_heads`` is required here.
 
-As in-process, LMCache loads and stores **full** chunks through this adapter (exact KV); the
-compressed copy each store also makes (split K/V planes only) is for the draft path of engines
-sharing the store.
+Keys: an ``ObjectKey``'s ``chunk_hash`` is the server's prefix chain (``blake3`` by default, as
+the engine computes it); the store key is :meth:`KeySpace.key` of it in the space of
+(``model_id`` or the key's model name, the object's dtype and token count, its layout, the hash
+scheme, the compressor), with the key's rank, object group and cache salt as qualifiers. Split
+K/V planes ``[2, L, T, W]`` are the engine's ``kv_2ltd`` layout and are found by every host;
+vLLM-on-CPU's fused paged planes ``[L, T, 2W]`` are not token-major, get a layout of their own
+(``vllm_cpu_fused``) and are stored full-only, so no other host is ever served one.
+
+As in-process, LMCache loads and stores **full** chunks through this adapter (exact KV).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -32,8 +38,8 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
-from .config import StoreConfig
-from .lmcache_plugin import store_config
+from ..config import StoreConfig
+from ..keys import LAYOUT_2LTD, KeySpace
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
@@ -42,21 +48,26 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def object_key_str(key: ObjectKey) -> str:
-    """Stable store key of an MP ``ObjectKey`` (fields are ``@``-free by ObjectKey's invariants)."""
-    s = f"{key.model_name}@{key.kv_rank:x}@{key.object_group_id:x}@{key.chunk_hash.hex()}"
-    return f"{s}@{key.cache_salt}" if key.cache_salt else s
+#: vLLM-on-CPU's fused K/V plane ``[L, T, 2W]`` (LMCache ``kv_size == 1``): rows are paged
+#: blocks tiled in vLLM's own order, not tokens (docs/host-notes.md#vllm-cpu-block-layout).
+LAYOUT_VLLM_CPU_FUSED = "vllm_cpu_fused"
+
+
+def object_layout(shape: Sequence[int]) -> tuple[str, int]:
+    """``(layout, tokens)`` of an MP object of ``shape``; raises ``ValueError`` for other shapes."""
+    if len(shape) == 4 and shape[0] == 2:
+        return LAYOUT_2LTD, int(shape[2])
+    if len(shape) == 3 and shape[-1] % 2 == 0:
+        return LAYOUT_VLLM_CPU_FUSED, int(shape[1])
+    raise ValueError(f"unsupported MP object shape {tuple(shape)}: expected [2, L, T, W] or [L, T, 2*W]")
 
 
 def kv_2ltd_view(t: torch.Tensor) -> torch.Tensor:
     """``t`` as the store's ``[2, L, T, W]`` chunk, as a view (writes go through to ``t``).
 
     MP objects are ``[2, L, T, H*D]`` for engines with split K/V planes, or one fused plane
-    ``[L, T, 2*W]`` (LMCache's ``kv_size == 1`` layouts, e.g. vLLM on CPU), which is viewed as
-    its two halves. The view is exact both ways, so full chunks round-trip bit for bit whatever
-    the engine's layout. Only split planes have token rows: vLLM's CPU blocks tile K and V
-    in their own order (VLLM_NOTES.md), so fused chunks are stored full-only (no compressed copy).
-    """
+    ``[L, T, 2*W]`` (:data:`LAYOUT_VLLM_CPU_FUSED`), which is viewed as its two halves. The view
+    is exact both ways, so full chunks round-trip bit for bit whatever the engine's layout."""
     if t.dim() == 4 and t.shape[0] == 2:
         return t
     if t.dim() == 3 and t.shape[-1] % 2 == 0:
@@ -74,16 +85,15 @@ class VeriCacheL2AdapterConfig(L2AdapterConfigBase):
 
     @classmethod
     def from_dict(cls, d: dict) -> VeriCacheL2AdapterConfig:
-        if "num_kv_heads" not in d:
-            raise ValueError(
-                "L2 adapter_params: 'num_kv_heads' is required (the server does not know the model)"
-            )
-        return cls(store_config(d, prefix="", where="L2 adapter_params"))
+        cfg = StoreConfig.parse(d, where="L2 adapter_params")
+        if cfg.num_kv_heads is None:
+            raise ValueError("L2 adapter_params: 'num_kv_heads' is required (the server does not know the model)")
+        return cls(cfg)
 
     @classmethod
     def help(cls) -> str:
         return (
-            "VeriCache dual-tier L2 adapter; adapter_params are DualTierStore.from_config keys, e.g. "
+            "VeriCache dual-tier L2 adapter; adapter_params are StoreConfig keys, e.g. "
             '{"capacity": "disk", "disk_path": "/tmp/kv", "num_kv_heads": 8, "compressor": "int8"}'
         )
 
@@ -106,7 +116,9 @@ class VeriCacheL2Adapter(L2AdapterInterface):
 
     def __init__(self, config: VeriCacheL2AdapterConfig, l1_memory_desc: Any = None) -> None:
         super().__init__()
+        self.config = config.store
         self.store = config.store.build()
+        self._spaces: dict[tuple, KeySpace] = {}
         self._efds = {op: create_event_notifier() for op in ("store", "lookup", "load")}
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -122,6 +134,18 @@ class VeriCacheL2Adapter(L2AdapterInterface):
             "loaded_chunks": 0,
             "load_misses": 0,
         }
+
+    def key(self, key: ObjectKey, shape: Sequence[int], dtype: torch.dtype) -> str:
+        """Store key of ``key`` for an object of ``shape``/``dtype`` (the shared scheme)."""
+        layout, tokens = object_layout(shape)
+        qual = "".join(f"/{n}.{v}" for n, v in (("rank", key.kv_rank), ("group", key.object_group_id),
+                                                  ("salt", key.cache_salt)) if v)
+        spec = (key.model_name, layout + qual, tokens, dtype)
+        space = self._spaces.get(spec)
+        if space is None:
+            space = self._spaces[spec] = self.config.key_space(
+                model=key.model_name, dtype=dtype, chunk_size=tokens, layout=layout + qual)
+        return space.key(key.chunk_hash)
 
     # -- event fds ------------------------------------------------------------------------------
     def get_store_event_fd(self) -> int:
@@ -176,14 +200,14 @@ class VeriCacheL2Adapter(L2AdapterInterface):
     def _store(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2StoreResult:
         failures, stored, sizes = 0, [], []
         for key, obj in zip(keys, objects, strict=True):
-            skey = object_key_str(key)
-            if self.store.has_full(skey):
-                continue
             try:
-                # Only split K/V planes have token rows worth compressing (see kv_2ltd_view).
+                skey = self.key(key, obj.tensor.shape, obj.tensor.dtype)
+                if self.store.has_full(skey):
+                    continue
+                # Only split K/V planes have token rows worth compressing (see LAYOUT_VLLM_CPU_FUSED).
                 self.store.put(skey, kv_2ltd_view(obj.tensor), compress=obj.tensor.dim() == 4)
             except Exception as e:  # logged by the store for tier errors; reported per task
-                logger.error("VeriCacheL2Adapter: store of %s failed: %s", skey, e)
+                logger.error("VeriCacheL2Adapter: store of %s failed: %s", key, e)
                 failures += 1
                 continue
             stored.append(key)
@@ -197,14 +221,22 @@ class VeriCacheL2Adapter(L2AdapterInterface):
     def submit_lookup_and_lock_task(
         self, keys: list[ObjectKey], group_layout_descs: dict[int, MemoryLayoutDesc]
     ) -> L2TaskId:
-        return self._submit("lookup", self._readers, self._lookup, Bitmap(len(keys)), list(keys))
+        return self._submit(
+            "lookup", self._readers, self._lookup, Bitmap(len(keys)), list(keys), dict(group_layout_descs or {})
+        )
 
     def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
         return self._pop("lookup", task_id)
 
-    def _lookup(self, keys: list[ObjectKey]) -> Bitmap:
+    def _lookup(self, keys: list[ObjectKey], descs: dict[int, MemoryLayoutDesc]) -> Bitmap:
         bitmap = Bitmap(len(keys))
-        hits = [i for i, k in enumerate(keys) if self.store.has_full(object_key_str(k))]
+        hits = []
+        for i, k in enumerate(keys):
+            desc = descs.get(k.object_group_id)
+            if desc is None or not desc.shapes:  # no layout: cannot name the key, so a miss
+                continue
+            if self.store.has_full(self.key(k, desc.shapes[0], desc.dtypes[0])):
+                hits.append(i)
         bitmap.batched_set(hits)
         self._count(lookups=len(keys), lookup_hits=len(hits))
         return bitmap
@@ -221,7 +253,9 @@ class VeriCacheL2Adapter(L2AdapterInterface):
 
     def _load(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> Bitmap:
         bitmap = Bitmap(len(keys))
-        handle = self.store.prefetch([object_key_str(k) for k in keys])  # reads run in parallel
+        # A buffer with no chunk shape gets a key no chunk has (a miss) instead of failing the task.
+        skeys = [self._load_key(k, o) for k, o in zip(keys, objects, strict=True)]
+        handle = self.store.prefetch(skeys)  # reads run in parallel
         loaded = []
         for i, (key, obj) in enumerate(zip(keys, objects, strict=True)):
             full = handle.wait(i)
@@ -234,7 +268,7 @@ class VeriCacheL2Adapter(L2AdapterInterface):
             if dst is None or dst.shape != full.shape or dst.dtype != full.dtype:
                 logger.error(
                     "VeriCacheL2Adapter: %s is %s %s but the load buffer is %s %s; treated as a miss",
-                    object_key_str(key), tuple(full.shape), full.dtype,
+                    skeys[i], tuple(full.shape), full.dtype,
                     None if dst is None else tuple(dst.shape), None if dst is None else dst.dtype,
                 )  # fmt: skip
                 continue
@@ -245,6 +279,12 @@ class VeriCacheL2Adapter(L2AdapterInterface):
         if loaded:
             self._notify_keys_accessed(loaded)
         return bitmap
+
+    def _load_key(self, key: ObjectKey, obj: MemoryObj) -> str:
+        try:
+            return self.key(key, obj.tensor.shape, obj.tensor.dtype)
+        except (AttributeError, ValueError):
+            return "unloadable-" + key.chunk_hash.hex()
 
     # -- status / close -------------------------------------------------------------------------
     def report_status(self) -> dict:
