@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     heads = model.config.num_key_value_heads
     rows = []
     for name in chosen:
-        for params in compressors._REGISTRY[name].examples:
+        for params in compressors.examples(name):
             m = evaluate(compressors.get(name, **params), kv, heads, queries)
             rows.append({"method": name, "params": params, **m})
 
