@@ -45,8 +45,9 @@ import numpy as np
 import torch
 
 from .. import compressors
+from ..engine.cache import KVCache, append_chunks, kv_to_2ltd
 from ..engine.horizon import Horizon
-from ..engine.runtime import KVCache, Segment, kv_to_2ltd
+from ..engine.runtime import Segment
 from . import paged_layout as pl
 from .vllm_model import runtime_for
 
@@ -238,41 +239,26 @@ class CompressedKVProposer:
 
     def _sync(self, st: _State, row: np.ndarray, block_ids: Tensor, n_draft: int) -> None:
         """Bring the draft cache to the committed tokens ``row[:-1]`` (the last one has no KV yet):
-        compress newly completed chunks, then copy the exact KV of the rest from vLLM's cache."""
+        compress newly completed chunks onto its prefix, then copy the exact KV of the rest from
+        vLLM's cache."""
         valid, c = len(row) - 1, self.opts.chunk_size
         upto = max(st.prefix, (valid - self.opts.window) // c * c)
-        while st.prefix < upto:
-            s = st.prefix
-            k, v = self._read(block_ids, s, s + c)
-            ckv = self.compressor.compress(kv_to_2ltd(k, v), self.rt.num_kv_heads, start=s)
+        ckvs = [self.compressor.compress(kv_to_2ltd(*self._read(block_ids, s, s + c)), self.rt.num_kv_heads, start=s)
+                for s in range(st.prefix, upto, c)]
+        for ckv in ckvs:
             self.stats.chunks += 1
             self.stats.compressed_bytes += ckv.nbytes
             self.stats.full_bytes += ckv.full_nbytes
-            layers = self.compressor.decompress(ckv)
-            self._reserve(st, max(b + lk.keys.shape[1] for b, lk in zip(st.cache.base, layers)))
-            for li, lk in enumerate(layers):
-                b, m = st.cache.base[li], lk.keys.shape[1]
-                st.cache.k[li, :, b:b + m] = lk.keys
-                st.cache.v[li, :, b:b + m] = lk.values
-                st.cache.base[li] = b + m
-            st.prefix = s + c
-            st.cache.n = 0  # the exact suffix moved behind the grown prefix: copy it again
+        if ckvs:
+            append_chunks(st.cache, ckvs, self.compressor)  # drops the exact suffix: copied again below
+            st.prefix = upto
+        st.cache.reserve(max(st.cache.base) + valid - st.prefix + n_draft)
         have = st.prefix + st.cache.n
-        self._reserve(st, max(st.cache.base) + valid - st.prefix + n_draft)
         if have < valid:
             k, v = self._read(block_ids, have, valid)
             st.cache.write_suffix(st.cache.n, k, v)
             st.cache.n = valid - st.prefix
         st.tokens = row[:valid].copy()
-
-    def _reserve(self, st: _State, need: int) -> None:
-        c = st.cache
-        if need > c.capacity:
-            new = self.rt.new_cache(max(need, 2 * c.capacity))
-            new.k[:, :, :c.capacity] = c.k
-            new.v[:, :, :c.capacity] = c.v
-            new.base, new.n = list(c.base), c.n
-            st.cache = new
 
     def _kv_caches(self) -> list[tuple[Tensor, pl.BlockLayout]]:
         if self._caches is None:

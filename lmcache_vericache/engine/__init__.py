@@ -1,5 +1,9 @@
 """Draft/verify engine: compressed-KV drafting, full-KV verification, swap overlapped with drafting.
 
+Modules: ``scheduler`` (the engine: rounds), ``prefill`` (a new request's caches), ``cache`` (KV
+caches and the draft layout), ``runtime`` (the forward), ``model`` / ``hf_model`` (the model
+interface and its Hugging Face adapter), ``swap``, ``verify``, ``horizon``, ``proposer``, ``request``.
+
 >>> from lmcache_vericache.engine import VeriCacheEngine
 >>> eng = VeriCacheEngine(model, "streamingllm", {"keep_ratio": 0.25}, draft_len="auto")
 >>> [res] = eng.generate(prompt_ids, max_new_tokens=128)      # greedy; lossless
@@ -9,15 +13,18 @@
 ...                                           "redis_url": "redis://127.0.0.1:6379/0"})
 """
 
-from .engine import VeriCacheEngine
+from .cache import KVCache
+from .hf_model import HfModel
 from .horizon import Horizon
+from .model import DecoderModel
 from .proposer import NgramProposer
 from .request import RequestStats, Result
-from .runtime import KVCache, Runtime, Segment
+from .runtime import Runtime, Segment
+from .scheduler import VeriCacheEngine
 from .swap import Source, SwapIn
 from .verify import Sampling, accept
 
 __all__ = [
-    "Horizon", "KVCache", "NgramProposer", "RequestStats", "Result", "Runtime", "Sampling", "Segment", "Source",
-    "SwapIn", "VeriCacheEngine", "accept",
+    "DecoderModel", "HfModel", "Horizon", "KVCache", "NgramProposer", "RequestStats", "Result", "Runtime",
+    "Sampling", "Segment", "Source", "SwapIn", "VeriCacheEngine", "accept",
 ]

@@ -1,4 +1,4 @@
-"""Draft horizon L: fixed, or sized each round from measurements (DESIGN.md §6).
+"""Draft horizon L: fixed, or sized each round from measurements.
 
 ``auto``: the swap of the full prefix must hide behind drafting, so L >= L_min = ceil(T_swap /
 t_draft_step); above that, L follows acceptance: it doubles after a round that accepted every draft

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
+from .cache import KVCache
 from .horizon import Horizon
-from .runtime import KVCache
 from .swap import SwapIn
 
 

@@ -1,6 +1,7 @@
-"""A compact forward for Llama-family Hugging Face models over caches of this package.
+"""A compact forward of a decoder model over this package's KV caches.
 
-It reuses the HF module's weights (no copy) but runs its own loop, so that:
+The model's own modules and weights compute the per-token parts (through :class:`~.model.DecoderModel`:
+an HF ``*ForCausalLM`` or vLLM's module); this loop owns everything about the KV, so that:
 
 * K/V live in preallocated per-layer buffers written in place (no per-step concatenation);
   rolling back a rejected draft is just moving a length back;
@@ -16,79 +17,16 @@ It reuses the HF module's weights (no copy) but runs its own loop, so that:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from .cache import KVCache
+from .hf_model import HfModel
+from .model import DecoderModel
+
 Tensor = torch.Tensor
-
-
-@dataclass
-class KVCache:
-    """K/V of one request, per layer ``[num_kv_heads, capacity, head_dim]``.
-
-    Layer ``l`` holds ``base[l]`` leading entries (a compressed prefix in a draft cache; 0 in a
-    full cache) followed by ``n`` suffix entries shared by all layers. New tokens are written at
-    ``base[l] + n``; truncating means lowering ``n``.
-    """
-
-    k: Tensor  # [layers, H, cap, D]
-    v: Tensor
-    base: list[int] = field(default_factory=list)
-    n: int = 0
-
-    @classmethod
-    def empty(cls, layers: int, heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
-              device: torch.device | str = "cpu") -> KVCache:
-        shape = (layers, heads, capacity, head_dim)
-        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
-                   [0] * layers, 0)
-
-    def clone(self) -> KVCache:
-        """An independent copy (own buffers, same base and length)."""
-        return KVCache(self.k.clone(), self.v.clone(), list(self.base), self.n)
-
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[2]
-
-    def length(self, layer: int) -> int:
-        return self.base[layer] + self.n
-
-    def suffix(self, start: int, stop: int) -> tuple[Tensor, Tensor]:
-        """Suffix entries ``[start, stop)`` of every layer: ``[layers, H, stop-start, D]`` each."""
-        if len(set(self.base)) == 1:
-            b = self.base[0]
-            return self.k[:, :, b + start:b + stop], self.v[:, :, b + start:b + stop]
-        ks = torch.stack([self.k[li, :, b + start:b + stop] for li, b in enumerate(self.base)])
-        vs = torch.stack([self.v[li, :, b + start:b + stop] for li, b in enumerate(self.base)])
-        return ks, vs
-
-    def write_suffix(self, start: int, k: Tensor, v: Tensor) -> None:
-        """Overwrite suffix entries from ``start`` with ``k``/``v`` ``[layers, H, t, D]``."""
-        t = k.shape[2]
-        for li, b in enumerate(self.base):
-            self.k[li, :, b + start:b + start + t] = k[li]
-            self.v[li, :, b + start:b + start + t] = v[li]
-
-    def to_2ltd(self, start: int, stop: int) -> Tensor:
-        """Entries ``[start, stop)`` (base must be 0) in LMCache's ``KV_2LTD`` layout."""
-        return kv_to_2ltd(self.k[:, :, start:stop], self.v[:, :, start:stop])
-
-    def load_2ltd(self, start: int, kv: Tensor) -> None:
-        """Write a ``KV_2LTD`` chunk at entries ``start...`` (base must be 0)."""
-        _, layers, t, hd = kv.shape
-        heads = self.k.shape[1]
-        src = kv.view(2, layers, t, heads, hd // heads).transpose(2, 3)
-        self.k[:, :, start:start + t].copy_(src[0], non_blocking=True)
-        self.v[:, :, start:start + t].copy_(src[1], non_blocking=True)
-
-
-def kv_to_2ltd(k: Tensor, v: Tensor) -> Tensor:
-    """K, V ``[layers, H, T, D]`` each in LMCache's ``KV_2LTD`` layout ``[2, layers, T, H*D]``."""
-    layers, heads, t, d = k.shape
-    return torch.stack([k, v]).permute(0, 1, 3, 2, 4).reshape(2, layers, t, heads * d)
 
 
 @dataclass
@@ -136,26 +74,15 @@ def attend(q: Tensor, k: Tensor, v: Tensor, n: int, scale: float) -> Tensor:
 
 
 class Runtime:
-    """Forward of a Llama-family ``*ForCausalLM`` (Llama, SmolLM2, Mistral, Qwen2/3) over :class:`KVCache`."""
+    """Forward of a :class:`DecoderModel` over :class:`KVCache`. A plain HF Llama-family
+    ``*ForCausalLM`` (Llama, SmolLM2, Mistral, Qwen2/3) is wrapped in :class:`HfModel`."""
 
-    def __init__(self, model: torch.nn.Module):
-        cfg = model.config
-        self.model = model
-        self.body = model.model
-        self.layers = list(self.body.layers)
-        self.num_layers = len(self.layers)
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.scale = self.layers[0].self_attn.scaling
-        self.dtype = next(model.parameters()).dtype
-        self.device = next(model.parameters()).device
-        self.vocab_size = cfg.vocab_size
-        self.eos_ids = _eos_ids(cfg)
-        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
-            # A sliding window changes which entries a query may see; not supported (yet).
-            if cfg.sliding_window < getattr(cfg, "max_position_embeddings", 0):
-                raise ValueError("models with sliding-window attention are not supported by the engine")
+    def __init__(self, model: DecoderModel | torch.nn.Module):
+        self.model = model if isinstance(model, DecoderModel) else HfModel(model)
+        m = self.model
+        self.num_layers, self.num_heads, self.num_kv_heads = m.num_layers, m.num_heads, m.num_kv_heads
+        self.head_dim, self.scale, self.dtype, self.device = m.head_dim, m.scale, m.dtype, m.device
+        self.vocab_size, self.eos_ids = m.vocab_size, m.eos_ids
 
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache.empty(self.num_layers, self.num_kv_heads, self.head_dim, capacity, self.dtype, self.device)
@@ -180,20 +107,15 @@ class Runtime:
                 raise ValueError("empty segment")
             if max(s.cache.base) + s.cache.n + s.n > s.cache.capacity:
                 raise ValueError(f"cache full: capacity {s.cache.capacity}, need {max(s.cache.base) + s.cache.n + s.n}")
+        m = self.model
         tokens, positions = tokens.to(self.device), positions.to(self.device)
-        x = self.body.embed_tokens(tokens)
-        cos, sin = self.body.rotary_emb(x, positions[None])
-        cos, sin = cos[0, :, None], sin[0, :, None]  # [N, 1, D]
-        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        x = m.embed(tokens)
+        cos, sin = m.rope(positions)
+        cos, sin = cos[:, None], sin[:, None]  # [N, 1, D]: one rotation for every head
         captured = []
-        for li, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(total, hq, d)
-            k = attn.k_proj(h).view(total, hkv, d)
-            v = attn.v_proj(h).view(total, hkv, d)
-            if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
-                q, k = attn.q_norm(q), attn.k_norm(k)
+        for li in range(self.num_layers):
+            q, k, v = m.qkv(li, m.input_norm(li, x))
+            q, k = m.qk_norm(li, q, k)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             if capture_q:
@@ -206,23 +128,16 @@ class Runtime:
                 c.v[li, :, at:at + n] = v[off:off + n].transpose(0, 1)
                 outs.append(attend(q[off:off + n], c.k[li, :, :at + n], c.v[li, :, :at + n], n, self.scale))
                 off += n
-            x = x + attn.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + m.o_proj(li, outs[0] if len(outs) == 1 else torch.cat(outs))
+            x = x + m.mlp(li, m.post_attention_norm(li, x))
         for seg in segments:
             seg.cache.n += seg.n
         if rows is not None:
             x = x[rows.to(self.device)]
-        logits = self.model.lm_head(self.body.norm(x)).float()
+        logits = m.lm_head(m.final_norm(x)).float()
         return logits, (torch.stack(captured) if capture_q else None)
 
 
 def _rotate_half(x: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _eos_ids(cfg) -> set[int]:
-    eos = getattr(cfg, "eos_token_id", None)
-    if eos is None:
-        return set()
-    return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}

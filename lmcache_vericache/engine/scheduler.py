@@ -1,4 +1,4 @@
-"""VeriCache decode loop: draft on the compressed KV, verify on the full KV, swap hidden behind drafting.
+"""The VeriCache decode loop: draft on the compressed KV, verify on the full KV, swap hidden behind drafting.
 
 Per request and round: start swapping the full prefix into the verify buffer, draft ``L`` tokens on
 the draft cache (compressed prefix + exact suffix), wait for the swap (recomputing any chunk the
@@ -7,16 +7,14 @@ drafts plus the target's own token, and bring both caches to the committed point
 keeps exactly the verify forward's KV of the committed tokens, the draft cache's suffix gets a copy
 of it.
 
-Storage is the project's :class:`~lmcache_vericache.backends.DualTierStore`: prefill puts each full
-prompt chunk (the store compresses it, with the engine's own compressor object) and the draft cache
-is laid out from the store's compressed chunks; rounds prefetch the full chunks from it.
+Storage is the project's :class:`~lmcache_vericache.backends.DualTierStore`; a new request's caches
+come from :class:`~.prefill.Prefiller` (prefill and store puts, or the store's cached prefix), and
+rounds prefetch the full chunks from the store.
 
-Shared prefix (remote prefix caching): when the store already holds the leading chunks of a prompt
-(put by another engine or process), their prefill is skipped. The draft cache is laid out from their
-compressed chunks at once, the full chunks start prefetching, and the uncached prompt tail is fed to
-the drafter as the first draft step; the first verify block is ``tail + drafts`` over the swapped-in
-exact prefix, so the tail's exact KV comes from a forward over the exact full prefix and the first
-emitted token is the target's own (lossless as every other round).
+Shared prefix (remote prefix caching): when the store already holds the leading chunks of a prompt,
+the uncached prompt tail is fed to the drafter as the first draft step; the first verify block is
+``tail + drafts`` over the swapped-in exact prefix, so the tail's exact KV comes from a forward over
+the exact full prefix and the first emitted token is the target's own (lossless as every other round).
 
 Many requests run as one flat batch per step. With ``stagger`` they are not held in lock step:
 each request drafts or verifies on its own schedule (half of them start with a half-length round),
@@ -34,10 +32,10 @@ from typing import Any
 import torch
 
 from .. import compressors
-from ..backends import DualTierStore, StoreConfig, TierError
+from ..backends import DualTierStore, StoreConfig
 from ..backends.keys import KeySpace, model_fingerprint
-from ..compressors import CompressedKV
 from .horizon import DraftLen, Horizon, check_draft_len
+from .prefill import Prefiller
 from .proposer import NgramProposer
 from .request import Request, Result
 from .runtime import Runtime, Segment
@@ -87,6 +85,8 @@ class VeriCacheEngine:
             config = StoreConfig.parse({**_fields(config), "model_id": model_id}, where="VeriCacheEngine")
         self.key_space: KeySpace = config.key_space(
             model=config.model_id or model_fingerprint(model), dtype=self.rt.dtype, chunk_size=chunk_size)
+        draft_room = max_draft_len + 2 + (ngram.num_tokens if ngram else 0)
+        self._prefiller = Prefiller(self.rt, self.store, self.compressor, chunk_size, query_window, draft_room)
         self._on_round: Callable[[Request], None] | None = None
 
     def _store_config(self, store: Any, compressor: str | None,
@@ -211,7 +211,8 @@ class VeriCacheEngine:
                 for name in ("compressed_bytes", "full_prefix_bytes", "cached_chunks"):
                     setattr(r.stats, name, getattr(twin.stats, name))
             else:
-                logits = self._setup(r, draft)
+                keys = self.chunk_keys(r.tokens) if self.store is not None and draft else []
+                logits = self._prefiller.setup(r, keys, draft)
                 done[tuple(ids)] = (r, logits)  # nothing decodes before _start returns: r stays pristine
             r.stats.prefill_s = time.perf_counter() - t0
             if logits is not None:
@@ -219,88 +220,6 @@ class VeriCacheEngine:
             r.start = r.pos if logits is not None else r.prefix
             reqs.append(r)
         return reqs
-
-    def _setup(self, r: Request, draft: bool) -> Tensor | None:
-        """Caches of a new request. Returns the logits of the prompt's last position, or ``None``
-        when the prompt's prefix came from the store and its tail is left to the first round."""
-        if not draft:
-            return self._prefill(r)[0]
-        c = self.chunk_size
-        keys = self.chunk_keys(r.tokens) if self.store is not None else []
-        if self.store is not None:
-            # At least one prompt token stays uncached: its forward yields the first token.
-            cached = self.store.get_compressed_prefix(keys[:(len(r.tokens) - 1) // c])
-            if cached:
-                r.full.n = len(cached) * c  # the exact prefix arrives by the swap, before the first verify
-                r.stats.cached_chunks = len(cached)
-                self._layout_draft(r, keys, cached)
-                return None
-        logits, queries = self._prefill(r)
-        self._layout_draft(r, keys, self._store_prompt(r, keys, queries))
-        return logits
-
-    def _prefill(self, r: Request) -> tuple[Tensor, Tensor | None]:
-        """Exact KV of the prompt, chunk by chunk (the same pieces a recompute uses); returns the
-        last position's logits and the observation-window queries of the prompt's last tokens."""
-        ids, c, n = r.tokens, self.chunk_size, len(r.tokens)
-        w = min(self.query_window, n)
-        starts = list(range(0, n, c))
-        if len(starts) > 1 and n - starts[-1] < w:
-            starts.pop()  # the last piece must hold the whole observation window
-        for j, s in enumerate(starts):
-            e = starts[j + 1] if j + 1 < len(starts) else n
-            last = e == n
-            logits, q = self.rt.forward(torch.tensor(ids[s:e]), torch.arange(s, e), [Segment(r.full, e - s)],
-                                        rows=torch.tensor([e - s - 1]), capture_q=w if last else 0)
-        return logits[0], q
-
-    def _store_prompt(self, r: Request, keys: list[str], queries: Tensor | None) -> list[CompressedKV]:
-        """Put the prompt's full chunks into the store (which compresses them) and take the
-        compressed chunks back from it. A failed put ends the stored prefix there: that chunk and
-        the rest stay resident in both caches (exact), so a broken store costs speed, not tokens."""
-        c, heads = self.chunk_size, self.rt.num_kv_heads
-        q = None if queries is None else queries.cpu()
-        n = len(r.tokens) // c
-        if self.store is None:  # resident baseline: no store, compress here
-            return [self.compressor.compress(r.full.to_2ltd(i * c, (i + 1) * c), heads, start=i * c, queries=q)
-                    for i in range(n)]
-        for i in range(n):
-            try:
-                self.store.put(keys[i], r.full.to_2ltd(i * c, (i + 1) * c).contiguous(), start=i * c, queries=q)
-            except TierError as e:
-                logger.warning("request %d: storing prompt chunk %d of %d failed, keeping it and the rest "
-                               "resident: %s", r.idx, i, n, e)
-                n = i
-                break
-        return self.store.get_compressed_prefix(keys[:n])
-
-    def _layout_draft(self, r: Request, keys: list[str], ckvs: list[CompressedKV]) -> None:
-        """Draft cache: per layer the decompressed chunks, then the exact suffix (what the full cache
-        holds past the prefix). The full prefix now lives in the store."""
-        c, rt = self.chunk_size, self.rt
-        r.prefix, r.keys = len(ckvs) * c, keys[:len(ckvs)]
-        per_layer: list[list[tuple[Tensor, Tensor]]] = [[] for _ in range(rt.num_layers)]
-        for ckv in ckvs:
-            r.stats.compressed_bytes += ckv.nbytes
-            r.stats.full_prefix_bytes += ckv.full_nbytes
-            for li, lkv in enumerate(self.compressor.decompress(ckv)):
-                per_layer[li].append((lkv.keys, lkv.values))
-        base = [sum(k.shape[1] for k, _ in chunks) for chunks in per_layer]
-        cap = max(base) + (len(r.tokens) - r.prefix) + r.max_new + self.max_draft_len + 2
-        cap += self.ngram.num_tokens if self.ngram else 0
-        r.draft = rt.new_cache(cap)
-        for li, chunks in enumerate(per_layer):
-            if chunks:
-                r.draft.k[li, :, :base[li]] = torch.cat([k for k, _ in chunks], dim=1)
-                r.draft.v[li, :, :base[li]] = torch.cat([v for _, v in chunks], dim=1)
-        r.draft.base = base
-        if r.full.n > r.prefix:  # prompt computed here: its exact suffix seeds the draft cache
-            r.draft.write_suffix(0, *r.full.suffix(r.prefix, r.full.n))
-            r.draft.n = r.full.n - r.prefix
-        if self.store is not None and r.prefix:
-            # Poison the verify buffer's prefix: a verification that skipped the swap could not pass.
-            r.full.k[:, :, :r.prefix] = float("nan")
-            r.full.v[:, :, :r.prefix] = float("nan")
 
     # -- rounds -----------------------------------------------------------------------------------
     def _new_round(self, r: Request) -> None:
@@ -380,11 +299,7 @@ class VeriCacheEngine:
             logger.warning("request %d: %d of %d full prefix chunks missed in the store (chunks %s); "
                            "recomputing their exact KV from the tokens", r.idx, len(misses), len(r.keys), misses)
         for i in misses:  # never verify against wrong KV: recompute the chunk from its tokens
-            c, n = self.chunk_size, r.full.n
-            r.full.n = i * c
-            self.rt.forward(torch.tensor(r.tokens[i * c:(i + 1) * c]), torch.arange(i * c, (i + 1) * c),
-                            [Segment(r.full, c)], rows=torch.tensor([c - 1]))
-            r.full.n = n
+            self._prefiller.recompute_chunk(r, i)
             r.stats.recomputed_chunks += 1
 
     def _verify(self, r: Request, logits: Tensor, sampling: Sampling) -> None:

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from .runtime import KVCache
+from .cache import KVCache
 
 Tensor = torch.Tensor
 

@@ -13,7 +13,7 @@ import torch
 
 from lmcache_vericache.connectors import paged_layout as pl
 from lmcache_vericache.connectors.proposer import CompressedKVProposer
-from lmcache_vericache.engine.runtime import Runtime, Segment
+from lmcache_vericache.engine import Runtime, Segment
 
 pytest.importorskip("vllm._custom_ops")
 K, B = 4, 128

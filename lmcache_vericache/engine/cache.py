@@ -1,0 +1,130 @@
+"""KV caches of one request and their layout.
+
+A request has two caches of the same shape (:class:`KVCache`):
+
+* the *full* (verify) cache holds the exact KV of every position; while a stored prefix is being
+  swapped in from the store, its entries are poisoned (:func:`poison_prefix`), so a verification
+  that skipped the swap cannot pass;
+* the *draft* cache holds, per layer, the decompressed chunks of the compressed prefix (a different
+  number of entries per layer when the compressor evicts per layer), then the exact KV of the
+  positions after it (the open chunk, a window, the committed suffix). :func:`append_chunks` is the
+  one way a compressed prefix gets into it, for the engine and for the vLLM proposer alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..compressors import CompressedKV, KVCompressor
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class KVCache:
+    """K/V of one request, per layer ``[num_kv_heads, capacity, head_dim]``.
+
+    Layer ``l`` holds ``base[l]`` leading entries (a compressed prefix in a draft cache; 0 in a
+    full cache) followed by ``n`` suffix entries shared by all layers. New tokens are written at
+    ``base[l] + n``; truncating means lowering ``n``.
+    """
+
+    k: Tensor  # [layers, H, cap, D]
+    v: Tensor
+    base: list[int] = field(default_factory=list)
+    n: int = 0
+
+    @classmethod
+    def empty(cls, layers: int, heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
+              device: torch.device | str = "cpu") -> KVCache:
+        shape = (layers, heads, capacity, head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
+                   [0] * layers, 0)
+
+    def clone(self) -> KVCache:
+        """An independent copy (own buffers, same base and length)."""
+        return KVCache(self.k.clone(), self.v.clone(), list(self.base), self.n)
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def length(self, layer: int) -> int:
+        return self.base[layer] + self.n
+
+    def reserve(self, need: int) -> None:
+        """Grow the buffers in place to hold ``need`` entries per layer (at least doubling, so a cache
+        grown a little at a time is copied rarely)."""
+        if need <= self.capacity:
+            return
+        layers, heads, cap, d = self.k.shape
+        grown = KVCache.empty(layers, heads, d, max(need, 2 * cap), self.k.dtype, self.k.device)
+        grown.k[:, :, :cap], grown.v[:, :, :cap] = self.k, self.v
+        self.k, self.v = grown.k, grown.v
+
+    def suffix(self, start: int, stop: int) -> tuple[Tensor, Tensor]:
+        """Suffix entries ``[start, stop)`` of every layer: ``[layers, H, stop-start, D]`` each."""
+        if len(set(self.base)) == 1:
+            b = self.base[0]
+            return self.k[:, :, b + start:b + stop], self.v[:, :, b + start:b + stop]
+        ks = torch.stack([self.k[li, :, b + start:b + stop] for li, b in enumerate(self.base)])
+        vs = torch.stack([self.v[li, :, b + start:b + stop] for li, b in enumerate(self.base)])
+        return ks, vs
+
+    def write_suffix(self, start: int, k: Tensor, v: Tensor) -> None:
+        """Overwrite suffix entries from ``start`` with ``k``/``v`` ``[layers, H, t, D]``."""
+        t = k.shape[2]
+        for li, b in enumerate(self.base):
+            self.k[li, :, b + start:b + start + t] = k[li]
+            self.v[li, :, b + start:b + start + t] = v[li]
+
+    def to_2ltd(self, start: int, stop: int) -> Tensor:
+        """Entries ``[start, stop)`` (base must be 0) in LMCache's ``KV_2LTD`` layout."""
+        return kv_to_2ltd(self.k[:, :, start:stop], self.v[:, :, start:stop])
+
+    def load_2ltd(self, start: int, kv: Tensor) -> None:
+        """Write a ``KV_2LTD`` chunk at entries ``start...`` (base must be 0)."""
+        _, layers, t, hd = kv.shape
+        heads = self.k.shape[1]
+        src = kv.view(2, layers, t, heads, hd // heads).transpose(2, 3)
+        self.k[:, :, start:start + t].copy_(src[0], non_blocking=True)
+        self.v[:, :, start:start + t].copy_(src[1], non_blocking=True)
+
+
+def kv_to_2ltd(k: Tensor, v: Tensor) -> Tensor:
+    """K, V ``[layers, H, T, D]`` each in LMCache's ``KV_2LTD`` layout ``[2, layers, T, H*D]``."""
+    layers, heads, t, d = k.shape
+    return torch.stack([k, v]).permute(0, 1, 3, 2, 4).reshape(2, layers, t, heads * d)
+
+
+def append_chunks(cache: KVCache, ckvs: Sequence[CompressedKV], compressor: KVCompressor, room: int = 0) -> None:
+    """Decompress ``ckvs`` (consecutive chunks, in order) onto the compressed prefix of a draft cache
+    and leave ``room`` free entries after the longest layer's prefix.
+
+    The exact suffix is dropped (``n = 0``): its entries are where the prefix grows, and they are
+    exact KV of positions the new chunks now cover in compressed form. The caller writes the exact
+    KV of the positions past the chunks again.
+    """
+    per_layer: list[list[tuple[Tensor, Tensor]]] = [[] for _ in cache.base]
+    for ckv in ckvs:
+        for li, lkv in enumerate(compressor.decompress(ckv)):
+            per_layer[li].append((lkv.keys, lkv.values))
+    grown = [sum(k.shape[1] for k, _ in chunks) for chunks in per_layer]
+    cache.reserve(max(b + g for b, g in zip(cache.base, grown)) + room)
+    for li, chunks in enumerate(per_layer):
+        if chunks:
+            b, g = cache.base[li], grown[li]
+            cache.k[li, :, b:b + g] = torch.cat([k for k, _ in chunks], dim=1)
+            cache.v[li, :, b:b + g] = torch.cat([v for _, v in chunks], dim=1)
+            cache.base[li] = b + g
+    cache.n = 0
+
+
+def poison_prefix(cache: KVCache, n: int) -> None:
+    """Fill the first ``n`` entries of a full cache with NaN: they are in the store, and a
+    verification over them before the swap brought them back must not pass."""
+    cache.k[:, :, :n] = float("nan")
+    cache.v[:, :, :n] = float("nan")

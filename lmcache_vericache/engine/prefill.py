@@ -1,0 +1,111 @@
+"""A new request's caches, before its first round: prefill or the store's prefix, then the draft layout.
+
+Prefill computes the prompt's exact KV into the full cache chunk by chunk, puts each full chunk
+into the store (which compresses it) and lays the draft cache out from the compressed chunks the
+store hands back. When the store already holds the prompt's leading chunks (put by another engine
+or process), their prefill is skipped: the draft cache is laid out from their compressed chunks
+at once and the exact prefix arrives by the first round's swap.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..backends import DualTierStore, TierError
+from ..compressors import CompressedKV, KVCompressor
+from .cache import append_chunks, poison_prefix
+from .request import Request
+from .runtime import Runtime, Segment
+
+logger = logging.getLogger(__name__)
+
+Tensor = torch.Tensor
+
+
+class Prefiller:
+    """Sets up requests for one engine. ``draft_room``: draft-cache entries a request needs beyond
+    its prompt and new tokens (the longest round's drafts and n-gram guesses)."""
+
+    def __init__(self, rt: Runtime, store: DualTierStore | None, compressor: KVCompressor, chunk_size: int,
+                 query_window: int, draft_room: int):
+        self.rt, self.store, self.compressor = rt, store, compressor
+        self.chunk_size, self.query_window, self.draft_room = chunk_size, query_window, draft_room
+
+    def setup(self, r: Request, keys: list[str], draft: bool) -> Tensor | None:
+        """Caches of a new request (``keys``: its chunk keys). Returns the logits of the prompt's last
+        position, or ``None`` when the prompt's prefix came from the store and its tail is left to
+        the first round."""
+        if not draft:
+            return self.prefill(r)[0]
+        c = self.chunk_size
+        if self.store is not None:
+            # At least one prompt token stays uncached: its forward yields the first token.
+            cached = self.store.get_compressed_prefix(keys[:(len(r.tokens) - 1) // c])
+            if cached:
+                r.full.n = len(cached) * c  # the exact prefix arrives by the swap, before the first verify
+                r.stats.cached_chunks = len(cached)
+                self._layout_draft(r, keys, cached)
+                return None
+        logits, queries = self.prefill(r)
+        self._layout_draft(r, keys, self._store_prompt(r, keys, queries))
+        return logits
+
+    def prefill(self, r: Request) -> tuple[Tensor, Tensor | None]:
+        """Exact KV of the prompt, chunk by chunk (the same pieces a recompute uses); returns the
+        last position's logits and the observation-window queries of the prompt's last tokens."""
+        ids, c, n = r.tokens, self.chunk_size, len(r.tokens)
+        w = min(self.query_window, n)
+        starts = list(range(0, n, c))
+        if len(starts) > 1 and n - starts[-1] < w:
+            starts.pop()  # the last piece must hold the whole observation window
+        for j, s in enumerate(starts):
+            e = starts[j + 1] if j + 1 < len(starts) else n
+            last = e == n
+            logits, q = self.rt.forward(torch.tensor(ids[s:e]), torch.arange(s, e), [Segment(r.full, e - s)],
+                                        rows=torch.tensor([e - s - 1]), capture_q=w if last else 0)
+        return logits[0], q
+
+    def recompute_chunk(self, r: Request, i: int) -> None:
+        """Exact KV of prompt chunk ``i`` from its tokens, into the full cache (a chunk the store missed)."""
+        c, n = self.chunk_size, r.full.n
+        r.full.n = i * c
+        self.rt.forward(torch.tensor(r.tokens[i * c:(i + 1) * c]), torch.arange(i * c, (i + 1) * c),
+                        [Segment(r.full, c)], rows=torch.tensor([c - 1]))
+        r.full.n = n
+
+    def _store_prompt(self, r: Request, keys: list[str], queries: Tensor | None) -> list[CompressedKV]:
+        """Put the prompt's full chunks into the store (which compresses them) and take the
+        compressed chunks back from it. A failed put ends the stored prefix there: that chunk and
+        the rest stay resident in both caches (exact), so a broken store costs speed, not tokens."""
+        c, heads = self.chunk_size, self.rt.num_kv_heads
+        q = None if queries is None else queries.cpu()
+        n = len(r.tokens) // c
+        if self.store is None:  # resident baseline: no store, compress here
+            return [self.compressor.compress(r.full.to_2ltd(i * c, (i + 1) * c), heads, start=i * c, queries=q)
+                    for i in range(n)]
+        for i in range(n):
+            try:
+                self.store.put(keys[i], r.full.to_2ltd(i * c, (i + 1) * c).contiguous(), start=i * c, queries=q)
+            except TierError as e:
+                logger.warning("request %d: storing prompt chunk %d of %d failed, keeping it and the rest "
+                               "resident: %s", r.idx, i, n, e)
+                n = i
+                break
+        return self.store.get_compressed_prefix(keys[:n])
+
+    def _layout_draft(self, r: Request, keys: list[str], ckvs: list[CompressedKV]) -> None:
+        """Draft cache: the compressed chunks, then the exact suffix (what the full cache holds past
+        the prefix). The full prefix now lives in the store."""
+        r.prefix, r.keys = len(ckvs) * self.chunk_size, keys[:len(ckvs)]
+        for ckv in ckvs:
+            r.stats.compressed_bytes += ckv.nbytes
+            r.stats.full_prefix_bytes += ckv.full_nbytes
+        r.draft = self.rt.new_cache(0)
+        append_chunks(r.draft, ckvs, self.compressor, room=len(r.tokens) - r.prefix + r.max_new + self.draft_room)
+        if r.full.n > r.prefix:  # prompt computed here: its exact suffix seeds the draft cache
+            r.draft.write_suffix(0, *r.full.suffix(r.prefix, r.full.n))
+            r.draft.n = r.full.n - r.prefix
+        if self.store is not None and r.prefix:
+            poison_prefix(r.full, r.prefix)
