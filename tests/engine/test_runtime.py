@@ -1,12 +1,13 @@
 """The engine's own forward must compute what the HF model computes (fp32, tight tolerance), with
-caches written in place, explicit positions, block (verify) and single-token (decode) attention."""
+caches written in place, explicit positions, block (verify) and single-token (decode) attention,
+for every HF family the adapter takes (Llama, Qwen2 with qkv bias, Qwen3 with q/k norm)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lmcache_vericache.engine import KVCache, Runtime, Segment
+from lmcache_vericache.engine import HfModel, KVCache, Runtime, Segment
 from lmcache_vericache.engine.runtime import attend
 
 
@@ -27,6 +28,32 @@ def test_matches_hf_tiny(tiny_model):
     # prefill pieces, single-token decode steps and a verify-sized block
     got = _pieces(Runtime(tiny_model), ids, [128, 129, 130, 163, 256, 257])
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def _tiny(family: str, **extra):
+    import transformers
+
+    cfg = getattr(transformers, f"{family}Config")(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, tie_word_embeddings=False, **extra)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return getattr(transformers, f"{family}ForCausalLM")(cfg).float().eval()
+
+
+@pytest.mark.parametrize("family", ["Qwen2", "Qwen3", "Mistral"])
+def test_matches_hf_other_families(family):
+    model = _tiny(family)
+    ids = torch.randint(0, 256, (160,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids[None]).logits[0]
+    got = _pieces(Runtime(HfModel(model)), ids, [100, 101, 130])
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_sliding_window_rejected():
+    with pytest.raises(ValueError, match="sliding-window"):
+        Runtime(_tiny("Mistral", sliding_window=64))
 
 
 def test_matches_hf_smollm2(smollm2):
