@@ -1,4 +1,4 @@
-"""One validator for every flat option set of the package (store config, proposer options).
+"""One validator for every flat option set of the package (store config, vLLM proposer options).
 
 Each entry point (Python, CLI JSON, LMCache YAML ``extra_config``, the L2 adapter's JSON, vLLM's
 extra configs) hands a mapping to :func:`parse_options` with the prefix its user wrote and where
@@ -10,32 +10,35 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
 
-def parse_options(cls: type[T], values: Mapping[str, Any], *, where: str, prefix: str = "") -> T:
+def parse_options(cls: type[T], values: Mapping[str, Any], *, where: str, prefix: str = "",
+                  spell: Callable[[str], str] | None = None) -> T:
     """Build the dataclass ``cls`` from ``values``; call its ``validate()`` if it has one.
 
     Unknown keys, missing required keys, values of the wrong type (``bool`` is not accepted for an
-    ``int`` nor the reverse) and ``validate()``'s ``ValueError`` all raise ``ValueError`` starting
-    with ``where`` and naming the key as ``prefix + key``."""
+    ``int`` nor the reverse) and ``validate()``'s ``ValueError`` (whose message starts with the
+    field's name) all raise ``ValueError`` starting with ``where`` and naming the key as the user
+    wrote it: ``prefix + key``, or ``spell(key)`` (e.g. an environment variable's name)."""
+    spell = spell or (lambda name: prefix + name)
     if not isinstance(values, Mapping):
         raise ValueError(f"{where}: expected a mapping of options, got {type(values).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     hints = typing.get_type_hints(cls)
     unknown = sorted(set(values) - set(fields))
     if unknown:
-        raise ValueError(f"{where}: unknown key {', '.join(repr(prefix + k) for k in unknown)}; "
-                         f"valid keys: {', '.join(prefix + k for k in fields)}")
-    missing = [prefix + n for n, f in fields.items() if _required(f) and n not in values]
+        raise ValueError(f"{where}: unknown key {', '.join(repr(spell(k)) for k in unknown)}; "
+                         f"valid keys: {', '.join(spell(k) for k in fields)}")
+    missing = [spell(n) for n, f in fields.items() if _required(f) and n not in values]
     if missing:
         raise ValueError(f"{where}: missing required key {', '.join(map(repr, missing))}")
     for name, value in values.items():
         if not _matches(value, hints[name]):
-            raise ValueError(f"{where}: {prefix + name} must be {_describe(hints[name])}, "
+            raise ValueError(f"{where}: {spell(name)} must be {_describe(hints[name])}, "
                              f"got {type(value).__name__} {value!r}")
     obj = cls(**values)
     validate = getattr(obj, "validate", None)
@@ -43,8 +46,9 @@ def parse_options(cls: type[T], values: Mapping[str, Any], *, where: str, prefix
         try:
             validate()
         except ValueError as e:
-            raise ValueError(f"{where}: {prefix}{e}" if prefix and not str(e).startswith(prefix)
-                             else f"{where}: {e}") from e
+            msg = str(e)
+            head = msg.split(" ", 1)[0].rstrip(":")
+            raise ValueError(f"{where}: {spell(head) + msg[len(head):] if head in fields else msg}") from e
     return obj
 
 

@@ -61,7 +61,8 @@ class StoreConfig:
         try:
             compressors.get(self.compressor, **self.compressor_params)
         except (ValueError, TypeError) as e:
-            raise ValueError(f"compressor / compressor_params: {e}") from None
+            name = "compressor_params" if self.compressor in compressors.available() else "compressor"
+            raise ValueError(f"{name}: {e}") from None
         for name in ("num_kv_heads", "memory_bytes", "hot_bytes", "max_concurrent_reads"):
             value = getattr(self, name)
             if value is not None and value <= 0:

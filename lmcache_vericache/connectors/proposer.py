@@ -48,6 +48,7 @@ from .. import compressors
 from ..engine.cache import KVCache, append_chunks, kv_to_2ltd
 from ..engine.horizon import Horizon
 from ..engine.runtime import Segment
+from ..options import parse_options
 from . import paged_layout as pl
 from .vllm_model import runtime_for
 
@@ -66,60 +67,42 @@ class ProposerOptions:
     max_draft: int | None = None  # None: num_speculative_tokens
     adaptive: bool = True
 
+    def validate(self) -> None:
+        """Raises ``ValueError`` whose message starts with the offending option's name."""
+        for name, low in (("chunk_size", 1), ("window", 0), ("max_draft", 1)):
+            value = getattr(self, name)
+            if value is not None and value < low:
+                raise ValueError(f"{name} must be >= {low}, got {value}")
+        try:
+            compressors.get(self.compressor, **self.compressor_params)
+        except (ValueError, TypeError) as e:
+            name = "compressor_params" if self.compressor in compressors.available() else "compressor"
+            raise ValueError(f"{name}: {e}") from None
+
     @classmethod
     def load(cls, additional_config: Mapping[str, Any] | None, env: Mapping[str, str], k: int) -> ProposerOptions:
         """Options from ``additional_config[CONFIG_KEY]`` over ``VERICACHE_PROPOSER_*``; a bad key or
-        value raises ``ValueError`` naming it."""
+        value raises ``ValueError`` naming it as its source spells it."""
         given = (additional_config or {}).get(CONFIG_KEY) or {}
         if not isinstance(given, Mapping):
             raise ValueError(f"additional_config[{CONFIG_KEY!r}] must be a JSON object, got {given!r}")
-        names = {f for f in cls.__dataclass_fields__}
-        for key in given:
-            if key not in names:
-                raise ValueError(f"unknown option {CONFIG_KEY}.{key}; valid: {sorted(names)}")
-        for var in env:
-            if var.startswith(ENV_PREFIX) and var[len(ENV_PREFIX):].lower() not in names:
-                raise ValueError(f"unknown environment variable {var}; valid: "
-                                 f"{sorted(ENV_PREFIX + n.upper() for n in names)}")
-        values: dict[str, Any] = {}
-        for name in names:
-            if name in given:
-                values[name] = _check(name, given[name], f"{CONFIG_KEY}.{name}")
-            elif (raw := env.get(ENV_PREFIX + name.upper())) is not None:
-                values[name] = _check(name, _parse_env(name, raw), ENV_PREFIX + name.upper())
-        opts = cls(**values)
-        where = lambda n: f"{CONFIG_KEY}.{n}" if n in given else ENV_PREFIX + n.upper()  # noqa: E731
+        from_env = {var[len(ENV_PREFIX):].lower(): _parse_env(var, raw) for var, raw in env.items()
+                    if var.startswith(ENV_PREFIX)}
+        # Each source alone first, so a mistake is named the way its source spells it.
+        parse_options(cls, from_env, where="environment", spell=lambda n: ENV_PREFIX + n.upper())
+        opts = parse_options(cls, {**from_env, **given}, where="additional_config", prefix=f"{CONFIG_KEY}.")
         if opts.max_draft is not None and opts.max_draft > k:
-            raise ValueError(f"{where('max_draft')}={opts.max_draft} exceeds num_speculative_tokens={k}")
-        try:
-            compressors.get(opts.compressor, **opts.compressor_params)
-        except ValueError as e:
-            raise ValueError(f"{where('compressor')} / {where('compressor_params')}: {e}") from e
+            key = f"{CONFIG_KEY}.max_draft" if "max_draft" in given else ENV_PREFIX + "MAX_DRAFT"
+            raise ValueError(f"{key}={opts.max_draft} exceeds num_speculative_tokens={k}")
         return opts
 
 
-def _parse_env(name: str, raw: str) -> Any:
-    if name == "compressor":
-        return raw
+def _parse_env(var: str, raw: str) -> Any:
+    """An environment value: JSON where it parses (numbers, booleans, objects), else the string."""
     try:
         return json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not valid JSON: {e}") from e
-
-
-def _check(name: str, value: Any, key: str) -> Any:
-    if name == "compressor":
-        ok = isinstance(value, str) and bool(value)
-    elif name == "compressor_params":
-        ok = isinstance(value, dict)
-    elif name == "adaptive":
-        ok = isinstance(value, bool)
-    else:  # chunk_size >= 1, window >= 0, max_draft >= 1
-        low = 0 if name == "window" else 1
-        ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
-    if not ok:
-        raise ValueError(f"{key}: bad value {value!r}")
-    return value
+    except json.JSONDecodeError:
+        return raw
 
 
 @dataclass
