@@ -8,6 +8,7 @@ bad key gets the same message everywhere, named as the user wrote it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -50,6 +51,10 @@ class StoreConfig:
     max_concurrent_reads: int = 4
     model_id: str | None = None
     hash_scheme: str | None = None
+    # Name of an environment variable holding a shared secret (>= 16 bytes): values are then
+    # MAC-tagged, and values written without it are rejected. The secret itself never sits in a
+    # config file.
+    mac_key_env: str | None = None
 
     @classmethod
     def parse(cls, values: Mapping[str, Any], *, where: str = "store config", prefix: str = "") -> StoreConfig:
@@ -79,6 +84,9 @@ class StoreConfig:
             raise ValueError(f"hash_scheme must be one of {HASH_SCHEMES}, got {self.hash_scheme!r}")
         if self.model_id is not None and not self.model_id:
             raise ValueError("model_id must not be empty")
+        if self.mac_key_env is not None and len(os.environ.get(self.mac_key_env, "")) < 16:
+            raise ValueError(f"mac_key_env names {self.mac_key_env!r}, which must be set to a secret of "
+                             "at least 16 bytes")
 
     def key_space(self, *, model: str, dtype: torch.dtype | str, chunk_size: int, layout: str = LAYOUT_2LTD,
                   scheme: str = "blake3") -> KeySpace:
@@ -125,4 +133,5 @@ class StoreConfig:
             raise ValueError("store config: num_kv_heads is required (the host does not know the model)")
         return DualTierStore(compressors.get(self.compressor, **self.compressor_params), self.build_capacity(),
                              num_kv_heads=self.num_kv_heads, hot_bytes=self.hot_bytes,
-                             max_concurrent_reads=self.max_concurrent_reads)
+                             max_concurrent_reads=self.max_concurrent_reads,
+                             mac_key=os.environ[self.mac_key_env].encode() if self.mac_key_env else None)

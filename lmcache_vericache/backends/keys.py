@@ -141,17 +141,26 @@ def _sha256_cbor_link(prev: int, tokens: Sequence[int]) -> int:
     return _fold(_sha256_cbor((prev, tuple(int(t) for t in tokens), ())))
 
 
-@torch.inference_mode()
 def model_fingerprint(model: torch.nn.Module) -> str:
     """Identity of a model's exact weights: BLAKE3 over every parameter's name, dtype, shape and
-    bytes (about 8 GB/s here: 70 ms for SmolLM2-135M in fp32), equal in every process that loads
-    the same weights in the same dtype. KV of one model must never verify another's drafts."""
-    h = blake3.blake3()
-    h.update(json.dumps({k: str(v) for k, v in sorted(getattr(model, "config", {}).to_dict().items())
-                         if k in ("model_type", "rope_theta", "rope_scaling", "rms_norm_eps")}
-                        if hasattr(getattr(model, "config", None), "to_dict") else {}).encode())
-    for name, p in model.named_parameters():
-        t = p.detach().contiguous().cpu()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b"")
-    return h.hexdigest()[:32]
+    bytes, equal in every process that loads the same weights in the same dtype. KV of one model
+    must never verify another's drafts, and a model changed in a single late weight is another
+    model. Cached on the model against the parameters' version counters (which every in-place
+    change bumps), so it is computed once per load (~0.15 s for SmolLM2-135M in fp32 here)."""
+    params = list(model.named_parameters())
+    versions = tuple((p._version, p.data_ptr()) for _, p in params)
+    cached = getattr(model, "_vericache_fingerprint", None)
+    if cached is not None and cached[0] == versions:
+        return cached[1]
+    with torch.inference_mode():
+        h = blake3.blake3()
+        cfg = getattr(model, "config", None)
+        facts = {k: str(getattr(cfg, k, None)) for k in ("model_type", "rope_theta", "rope_scaling", "rms_norm_eps")}
+        h.update(json.dumps(facts, sort_keys=True).encode())
+        for name, p in params:
+            t = p.detach().contiguous().cpu()
+            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b"")
+        fingerprint = h.hexdigest()[:32]
+    object.__setattr__(model, "_vericache_fingerprint", (versions, fingerprint))
+    return fingerprint

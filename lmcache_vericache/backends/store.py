@@ -4,15 +4,19 @@ verification (docs/architecture.md#the-dual-tier-store). Knows nothing of LMCach
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import threading
+import weakref
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
+import blake3
 import torch
 
+from .. import compressors
 from ..compressors import CodecError, CompressedKV, KVCompressor, from_bytes, to_bytes
 from .fullchunk import CorruptChunkError, decode_full, encode_full
 from .tiers.base import CapacityTier, TierError
@@ -21,10 +25,23 @@ from .tiers.memory import LRU
 logger = logging.getLogger(__name__)
 
 Tensor = torch.Tensor
+Buffer = bytes | bytearray | memoryview
 
 # Derived keys in the capacity tier. The compressed value is written last: its presence means
-# the full value was stored before it (``contains`` relies on this).
+# the full value was stored before it (``contains`` relies on this). Stores with a MAC key use
+# their own names, so a store without the key never reads (nor deletes) authenticated values.
 FULL_SUFFIX, COMPRESSED_SUFFIX = "/full", "/ckv"
+MAC_SUFFIXES = ("/full.mac", "/ckv.mac")
+TAG_SIZE = 32
+
+
+class InvalidChunkError(ValueError):
+    """A value that parsed but cannot be used: its metadata does not match the store (another
+    method, parameters or head count) or it fails the compressor's own validation."""
+
+
+class UnauthenticatedChunkError(InvalidChunkError):
+    """A value whose MAC does not verify: written without the store's key, or tampered with."""
 
 
 @dataclasses.dataclass
@@ -35,7 +52,9 @@ class StoreStats:
     compressed_misses: int = 0
     full_hits: int = 0
     full_misses: int = 0  # includes corrupt ones
-    corrupt: int = 0  # full or compressed values that failed verification
+    corrupt: int = 0  # full or compressed values that failed verification (then deleted)
+    unauthenticated: int = 0  # values whose MAC did not verify (written without the key; deleted)
+    invalid: int = 0  # compressed values that parsed but do not match the store or fail validation
     cancelled: int = 0
     bytes_written: int = 0
     bytes_read: int = 0  # from the capacity tier
@@ -116,9 +135,16 @@ class DualTierStore:
     * Keys: a chunk ``key`` is stored in the capacity tier as ``key + "/full"`` and
       ``key + "/ckv"``; the compressed value is written second and is the commit marker that
       ``contains`` checks, so another process sharing the tier sees a chunk once both are stored.
-    * A miss is ``None``: never stored, evicted, unreadable, or failed verification. Corrupt
-      values are counted (``stats.corrupt``) and logged and never returned. Write failures raise
-      :class:`TierError` after logging; what was stored before stays readable.
+    * A miss is ``None``: never stored, evicted, unreadable, or failed verification. Corrupt,
+      unauthenticated and invalid values are counted (``stats``), logged, never returned, and
+      deleted from the capacity tier so that the next ``put`` of the key rewrites them. Write
+      failures raise :class:`TierError` after logging; what was stored before stays readable.
+    * Integrity: every value carries a BLAKE3 digest (accidents). With ``mac_key`` every value also
+      carries a keyed BLAKE3 tag over the tier key and the value (tampering): a value written
+      without the key, or moved to another key, is rejected. Compressed values read from the tier
+      must match the store's compressor, parameters and head count and pass
+      ``compressors.validate``; full values must be ``[2, L, T, heads*D]``.
+    * Closing: reads not yet started are cancelled; ``PrefetchHandle.wait`` then returns misses.
     """
 
     def __init__(
@@ -129,6 +155,7 @@ class DualTierStore:
         num_kv_heads: int,
         hot_bytes: int = 1 << 30,
         max_concurrent_reads: int = 4,
+        mac_key: bytes | None = None,
     ) -> None:
         if num_kv_heads <= 0:
             raise ValueError(f"num_kv_heads must be > 0, got {num_kv_heads}")
@@ -142,6 +169,13 @@ class DualTierStore:
         self._stats = StoreStats()
         self._lock = threading.Lock()
         self._closed = False
+        self._futures: weakref.WeakSet[Future] = weakref.WeakSet()
+        self._rejected: LRU[bool] = LRU(1 << 16)  # keys whose values failed the MAC (bounded)
+        if mac_key is not None and len(mac_key) < 16:
+            raise ValueError("mac_key must be at least 16 bytes")
+        self._mac_key = None if mac_key is None else blake3.blake3(
+            mac_key, derive_key_context="lmcache_vericache store MAC v1").digest()
+        self._full_sfx, self._ckv_sfx = MAC_SUFFIXES if mac_key is not None else (FULL_SUFFIX, COMPRESSED_SUFFIX)
 
     # -- write path -----------------------------------------------------------------------------
     def put(
@@ -155,50 +189,106 @@ class DualTierStore:
         CPU paged blocks as LMCache's MP server hands them over): a compressed copy of those
         bytes would serve no drafter and cost a compression per chunk."""
         self._check_open()
-        if self.has_full(key) and (not compress or self.capacity.contains(key + COMPRESSED_SUFFIX)):
+        if self.has_full(key) and (not compress or self.capacity.contains(key + self._ckv_sfx)) \
+                and key not in self._rejected:
             # Keys name immutable content (chained prefix hashes): a committed chunk, ours or
             # another instance's, is never rewritten, so a failing rewrite cannot delete it.
+            # (A value found corrupt or invalid is deleted on read, so it is rewritten here.)
             return
         full_blob = encode_full(full)
         if not compress:
-            self._put_or_raise(key + FULL_SUFFIX, full_blob, key)
+            self._put_or_raise(key + self._full_sfx, full_blob, key)
+            self._rejected.pop(key)
             self._count(puts=1, bytes_written=len(full_blob))
             return
         ckv_blob = to_bytes(self.compressor.compress(full, self.num_kv_heads, start=start, queries=queries))
-        self._put_or_raise(key + FULL_SUFFIX, full_blob, key)
+        self._put_or_raise(key + self._full_sfx, full_blob, key)
         try:
-            self._put_or_raise(key + COMPRESSED_SUFFIX, ckv_blob, key)
+            self._put_or_raise(key + self._ckv_sfx, ckv_blob, key)
         except TierError:
-            self.capacity.delete(key + FULL_SUFFIX)  # all or nothing: no full chunk without its commit
+            self.capacity.delete(key + self._full_sfx)  # all or nothing: no full chunk without its commit
             raise
         # Hot copy parsed from our own immutable bytes: never aliases the caller's tensor.
         self._hot.put(key, from_bytes(ckv_blob), len(ckv_blob))
+        self._rejected.pop(key)
         self._count(puts=1, bytes_written=len(full_blob) + len(ckv_blob))
 
     def _put_or_raise(self, tier_key: str, blob: bytes, key: str) -> None:
         try:
-            self.capacity.put(tier_key, blob)
+            self.capacity.put(tier_key, blob if self._mac_key is None else blob + self._tag(tier_key, blob))
         except TierError as e:
             self._count(put_errors=1)
             logger.error("store put %r failed: %s", key, e)
             raise
 
+    # -- integrity --------------------------------------------------------------------------------
+    def _tag(self, tier_key: str, blob: Buffer) -> bytes:
+        h = blake3.blake3(key=self._mac_key)  # type: ignore[arg-type]
+        h.update(tier_key.encode() + b"\0")
+        h.update(blob)
+        return h.digest(TAG_SIZE)
+
+    def _read(self, tier_key: str) -> Buffer | None:
+        """The value at ``tier_key`` with its MAC checked and stripped; ``None`` for a miss.
+        Raises :class:`InvalidChunkError` for a value whose tag does not verify."""
+        blob = self.capacity.get(tier_key)
+        if blob is None or self._mac_key is None:
+            return blob
+        mv = memoryview(blob).cast("B")
+        body = mv[: max(0, mv.nbytes - TAG_SIZE)]
+        if mv.nbytes < TAG_SIZE or self._tag(tier_key, body) != bytes(mv[mv.nbytes - TAG_SIZE:]):
+            raise UnauthenticatedChunkError("MAC does not verify (written without this store's key, or tampered with)")
+        return body
+
+    def _reject(self, key: str, what: str, err: Exception) -> None:
+        """Count and log a bad value. Corrupt and invalid values are garbage under any key, so they
+        are deleted (with the chunk's commit marker) and the next put rewrites them. A value that
+        fails the MAC may be a good value of a host with another key: it is not deleted, but this
+        store stops reporting it (``has_full``) and overwrites it on the next put."""
+        if isinstance(err, UnauthenticatedChunkError):
+            self._count(unauthenticated=1)
+            self._rejected.put(key, True, 1)
+            logger.error("store: %s chunk %r failed its MAC, treated as a miss: %s", what, key, err)
+            return
+        kind = "invalid" if isinstance(err, InvalidChunkError) else "corrupt"
+        self._count(**{kind: 1})
+        logger.error("store: %s chunk %r is %s, deleted and treated as a miss: %s", what, key, kind, err)
+        for sfx in ((self._full_sfx, self._ckv_sfx) if what == "full" else (self._ckv_sfx,)):
+            self.capacity.delete(key + sfx)
+
+    def _check_compressed(self, ckv: CompressedKV) -> None:
+        ours = self.compressor
+        if ckv.method != ours.name or ckv.params != ours.params() or ckv.num_kv_heads != self.num_kv_heads:
+            raise InvalidChunkError(
+                f"chunk is {ckv.method} {ckv.params} with {ckv.num_kv_heads} heads; the store uses "
+                f"{ours.name} {ours.params()} with {self.num_kv_heads}")
+        validate = getattr(compressors, "validate", None)
+        if validate is not None:
+            try:
+                validate(ckv)
+            except CodecError as e:
+                raise InvalidChunkError(str(e)) from None
+
+    def _check_full(self, t: Tensor) -> None:
+        if t.dim() != 4 or t.shape[0] != 2 or t.shape[3] % self.num_kv_heads or not t.is_floating_point():
+            raise InvalidChunkError(f"full chunk {t.dtype} {tuple(t.shape)} is not [2, L, T, {self.num_kv_heads}*D]")
+
     # -- draft path -----------------------------------------------------------------------------
     def get_compressed(self, key: str) -> CompressedKV | None:
-        """The compressed chunk from the hot tier, else from the capacity tier (then kept hot)."""
+        """The compressed chunk from the hot tier, else from the capacity tier (validated, then kept hot)."""
         self._check_open()
         ckv = self._hot.get(key)
         if ckv is None:
-            blob = self.capacity.get(key + COMPRESSED_SUFFIX)
-            if blob is not None:
-                self._count(bytes_read=len(blob))
-                try:
+            try:
+                blob = self._read(key + self._ckv_sfx)
+                if blob is not None:
+                    self._count(bytes_read=len(blob))
                     ckv = from_bytes(blob)  # views into blob, which we own
-                except CodecError as e:
-                    self._count(corrupt=1)
-                    logger.error("store: compressed chunk %r is corrupt, treated as a miss: %s", key, e)
-                else:
+                    self._check_compressed(ckv)
                     self._hot.put(key, ckv, len(blob))
+            except (CodecError, InvalidChunkError) as e:
+                ckv = None
+                self._reject(key, "compressed", e)
         self._count(**{"compressed_hits" if ckv is not None else "compressed_misses": 1})
         return ckv
 
@@ -223,13 +313,13 @@ class DualTierStore:
     def contains(self, key: str) -> bool:
         """Compressed chunk hot, or committed to the capacity tier, or a full-only chunk stored
         (a hint: a later read may miss)."""
-        return (key in self._hot or self.capacity.contains(key + COMPRESSED_SUFFIX)
-                or self.capacity.contains(key + FULL_SUFFIX))
+        return (key in self._hot or self.capacity.contains(key + self._ckv_sfx)
+                or self.capacity.contains(key + self._full_sfx))
 
     def has_full(self, key: str) -> bool:
         """The full chunk is in the capacity tier (what exact-KV consumers such as LMCache need;
         a hint: a later read may still miss)."""
-        return self.capacity.contains(key + FULL_SUFFIX)
+        return key not in self._rejected and self.capacity.contains(key + self._full_sfx)
 
     # -- full path ------------------------------------------------------------------------------
     def get_full(self, key: str) -> Tensor | None:
@@ -242,6 +332,7 @@ class DualTierStore:
         self._check_open()
         cancelled = threading.Event()
         futures = [self._pool.submit(self._read_full, k, cancelled) for k in keys]
+        self._futures.update(futures)
         return PrefetchHandle(list(keys), futures, cancelled, self._count)
 
     def _read_full(self, key: str, cancelled: threading.Event | None = None) -> Tensor | None:
@@ -249,15 +340,16 @@ class DualTierStore:
             self._count(cancelled=1)
             return None
         try:
-            blob = self.capacity.get(key + FULL_SUFFIX)
+            blob = self._read(key + self._full_sfx)
             if blob is None:
                 self._count(full_misses=1)
                 return None
             self._count(bytes_read=len(blob))
             t = decode_full(blob)
-        except CorruptChunkError as e:
-            self._count(corrupt=1, full_misses=1)
-            logger.error("store: full chunk %r failed verification, treated as a miss: %s", key, e)
+            self._check_full(t)
+        except (CorruptChunkError, InvalidChunkError) as e:
+            self._count(full_misses=1)
+            self._reject(key, "full", e)
             return None
         except Exception:  # a background read must never die silently or raise into wait()
             self._count(full_misses=1)
@@ -288,6 +380,12 @@ class DualTierStore:
         self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._ckv_pool.shutdown(wait=True, cancel_futures=True)
+        # Futures cancelled by the shutdown are never "notified": concurrent.futures.wait would
+        # block on them forever. Notify them, so every handle's wait() returns misses.
+        for fut in list(self._futures):
+            if fut.cancelled():
+                with contextlib.suppress(RuntimeError):  # already notified
+                    fut.set_running_or_notify_cancel()
         self.capacity.close()
         self._hot.clear()
 

@@ -39,3 +39,16 @@ def test_models_differing_in_one_weight_never_share_a_chunk():
         assert out_b.tokens == eng_b.reference([prompt], 24)[0].tokens
         [again_b] = eng_b.generate([prompt], 24)  # b's own chunks are found by b
         assert again_b.stats.cached_chunks == (300 - 1) // 64 and again_b.tokens == out_b.tokens
+
+
+def test_fingerprint_is_cached_until_a_weight_changes(monkeypatch):
+    model = tiny_llama(seed=0)
+    first = model_fingerprint(model)
+    calls = []
+    import blake3 as b3
+    real = b3.blake3
+    monkeypatch.setattr("lmcache_vericache.backends.keys.blake3.blake3", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert model_fingerprint(model) == first and not calls  # cached: no hashing
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.weight[0, 0] += 1.0  # in place: bumps the version
+    assert model_fingerprint(model) != first and calls
