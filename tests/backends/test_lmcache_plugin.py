@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import threading
 from pathlib import Path
 
 import pytest
@@ -183,3 +184,22 @@ def test_cli_yaml_starts_an_engine_with_the_backend(engines, tmp_path, capsys):
     path.write_text(capsys.readouterr().out)
     engine, _ = engines.start(LMCacheEngineConfig.from_file(str(path)), prompt(256)[1])
     assert check_backend(engine).store.compressor.name == "int4"
+
+
+def test_put_queue_is_bounded_and_drops_are_counted(engines, tmp_path, monkeypatch):
+    """A writer that cannot keep up (a slow tier) pins at most MAX_PENDING_PUTS LocalCPU objects;
+    further puts are dropped and counted, never blocking LMCache's store path."""
+    cfg = load_config(**{"vericache.disk_path": str(tmp_path / "kv")})
+    tokens, kv = prompt(3 * cfg.chunk_size, seed=4)
+    engine, _ = engines.start(cfg, kv)
+    backend = check_backend(engine)
+    release = threading.Event()
+    slow_put = backend.store.put
+    monkeypatch.setattr(backend.store, "put", lambda *a, **k: (release.wait(10), slow_put(*a, **k)))
+    monkeypatch.setattr(backend, "MAX_PENDING_PUTS", 1)
+    engine.store(tokens)  # returns at once although the writer is stuck on chunk 0
+    assert backend.stats["put_dropped"] == 2
+    release.set()
+    backend.flush()
+    stored = [backend.store.has_full(backend.key(k)) for k in chunk_keys(engine, tokens)]
+    assert backend.stats["put_chunks"] == 1 and stored == [True, False, False]

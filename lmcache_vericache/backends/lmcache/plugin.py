@@ -64,8 +64,9 @@ class VeriCacheBackend(StoragePluginInterface):
       ``[2, L, T, H*D]``.
     * Put is a broadcast after which LMCache drops its reference: each object is ref-counted up
       until a single background writer has copied it into the store (the store keeps bytes), then
-      released. ``exists_in_put_tasks`` covers that window. Writes fail as logged errors, never
-      into LMCache's store path.
+      released. ``exists_in_put_tasks`` covers that window. At most :attr:`MAX_PENDING_PUTS` chunks
+      wait for the writer (the objects they pin are LocalCPU memory); beyond that puts are dropped
+      and counted. Writes fail as logged errors, never into LMCache's store path.
     * Reads return objects allocated from ``local_cpu_backend`` holding one reference that the
       caller owns. ``batched_get_non_blocking`` returns the hit *prefix* only and releases
       everything else it allocated. Reads wait on the store's prefetch in a worker thread and
@@ -75,6 +76,9 @@ class VeriCacheBackend(StoragePluginInterface):
     * Thread-safety: all methods may be called from LMCache's engine thread and its storage loop
       at once; shared state is the thread-safe store plus ``_inflight`` under ``_lock``.
     """
+
+    #: Chunks queued for the writer before further puts are dropped (bounds pinned LocalCPU memory).
+    MAX_PENDING_PUTS = 256
 
     def __init__(
         self,
@@ -104,8 +108,9 @@ class VeriCacheBackend(StoragePluginInterface):
         # One writer keeps puts in order and bounds the CPU spent compressing behind LMCache's back.
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="vericache-put")
         self._closed = False
-        # Chunks written / failed, chunks served / missed, batched_get_non_blocking calls.
-        self.stats = {"put_chunks": 0, "put_errors": 0, "get_chunks": 0, "get_misses": 0, "async_gets": 0}
+        # Chunks written / failed / dropped (queue full), served / missed, batched_get_non_blocking calls.
+        self.stats = {"put_chunks": 0, "put_errors": 0, "put_dropped": 0, "get_chunks": 0, "get_misses": 0,
+                      "async_gets": 0}
 
     @staticmethod
     def _create_store(config: Any, metadata: Any) -> tuple[DualTierStore, dict[str, KeySpace]]:
@@ -180,6 +185,14 @@ class VeriCacheBackend(StoragePluginInterface):
             if self.exists_in_put_tasks(key) or self.store.has_full(self.key(key)):
                 continue  # (a racing duplicate put is harmless: same bytes, atomic tier writes)
             with self._lock:
+                if len(self._inflight) >= self.MAX_PENDING_PUTS:
+                    # Backpressure without stalling inference: a cache may skip a write; the
+                    # chunk is recomputed (and offered again) the next time it is needed.
+                    self.stats["put_dropped"] += 1
+                    if self.stats["put_dropped"] & (self.stats["put_dropped"] - 1) == 0:  # 1, 2, 4, ...
+                        logger.warning("%s: %d puts pending, dropped %d chunk puts so far", self,
+                                       len(self._inflight), self.stats["put_dropped"])
+                    continue
                 obj.ref_count_up()  # released by _write once the store has copied it
                 fut = self._writer.submit(self._write, key, obj, on_complete_callback)
                 self._inflight[key] = fut
