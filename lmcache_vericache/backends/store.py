@@ -8,9 +8,10 @@ import contextlib
 import dataclasses
 import logging
 import threading
+import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import blake3
@@ -63,46 +64,91 @@ class StoreStats:
 class PrefetchHandle:
     """Background reads of the full chunks of ``keys``, in order. Thread-safe.
 
+    Reads run at most ``window`` chunks ahead of the lowest chunk not yet handed out, so a handle
+    over many keys holds a bounded number of chunks (backpressure: a consumer that stops waiting
+    stops the reads). Each chunk is handed out once: after ``wait(i)`` returns it the handle keeps
+    no reference (waiting for it again raises ``RuntimeError``).
+
     ``wait`` blocks the calling thread; from a coroutine use ``await wait_async(...)``, which
     never blocks the event loop. A result of ``None`` is a miss: not stored, unreadable, failed
-    verification (counted in the store's stats and logged) or cancelled.
+    verification (counted in the store's stats and logged), cancelled, or the store closed.
     """
 
-    def __init__(self, keys: list[str], futures: list[Future], cancelled: threading.Event, count: Any) -> None:
+    def __init__(self, keys: list[str], submit: Callable[[str], Future], window: int, count: Any) -> None:
         self.keys = keys
-        self._futures = futures
-        self._cancelled = cancelled
-        self._count = count
+        self._submit, self._window, self._count = submit, window, count
+        self._futures: list[Future | None] = [None] * len(keys)
+        self._taken = [False] * len(keys)
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._advance()
 
     def __len__(self) -> int:
-        return len(self._futures)
+        return len(self.keys)
+
+    def _advance(self, upto: int = 0) -> None:
+        """Submit reads up to ``window`` past the first chunk not handed out (and at least to ``upto``)."""
+        with self._lock:
+            if self._cancelled:
+                return
+            first = next((j for j, t in enumerate(self._taken) if not t), len(self.keys))
+            for j in range(min(len(self.keys), max(first + self._window, upto + 1))):
+                if self._futures[j] is None:
+                    self._futures[j] = self._submit(self.keys[j])
+
+    def _future(self, i: int) -> Future:
+        if self._taken[i]:
+            raise RuntimeError(f"chunk {i} was already handed out")
+        self._advance(i)
+        with self._lock:
+            fut = self._futures[i]
+        return fut if fut is not None else _MISSED  # None only once cancelled
+
+    def _take(self, i: int, value: Tensor | None) -> Tensor | None:
+        with self._lock:
+            self._taken[i], self._futures[i] = True, _MISSED
+        self._advance()
+        return value
 
     def ready(self, i: int) -> bool:
-        return self._futures[i].done()
+        fut = self._futures[i]
+        return self._taken[i] or (fut is not None and fut.done()) or self._cancelled
 
     @property
     def done(self) -> bool:
-        return all(f.done() for f in self._futures)
+        return all(self.ready(i) for i in range(len(self)))
 
     def wait(self, i: int | None = None, timeout: float | None = None) -> Any:
         """Chunk ``i`` (``Tensor | None``), or with ``i=None`` the list of all chunks.
         Raises ``TimeoutError`` if not ready within ``timeout`` seconds."""
         if i is not None:
-            return _result(self._futures[i], timeout)
-        _, pending = wait_futures(self._futures, timeout)
-        if pending:
-            raise TimeoutError(f"{len(pending)} of {len(self)} chunks not ready after {timeout} s")
-        return [_result(f, 0) for f in self._futures]
+            return self._take(i, _result(self._future(i), timeout))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        out = []
+        for j in range(len(self)):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                out.append(self._take(j, _result(self._future(j), left)))
+            except TimeoutError:
+                raise TimeoutError(f"{len(self) - j} of {len(self)} chunks not ready after {timeout} s") from None
+        return out
 
     async def wait_async(self, i: int | None = None) -> Any:
         if i is not None:
-            return await _wrap(self._futures[i])
-        return list(await asyncio.gather(*(_wrap(f) for f in self._futures)))
+            return self._take(i, await _wrap(self._future(i)))
+        return [await self.wait_async(j) for j in range(len(self))]
 
     def cancel(self) -> None:
         """Drop reads not yet started; reads in flight finish but their chunks still arrive."""
-        self._cancelled.set()
-        self._count(cancelled=sum(f.cancel() for f in self._futures))
+        with self._lock:
+            self._cancelled = True
+            pending = [f for f in self._futures if f is not None and f is not _MISSED]
+            unsubmitted = sum(f is None for f in self._futures)
+        self._count(cancelled=sum(f.cancel() for f in pending) + unsubmitted)
+
+
+_MISSED: Future = Future()
+_MISSED.set_result(None)
 
 
 def _result(fut: Future, timeout: float | None) -> Tensor | None:
@@ -327,18 +373,22 @@ class DualTierStore:
         self._check_open()
         return self._read_full(key)
 
-    def prefetch(self, keys: list[str]) -> PrefetchHandle:
-        """Start background reads of the full chunks of ``keys`` and return at once."""
+    def prefetch(self, keys: list[str], *, window: int | None = None) -> PrefetchHandle:
+        """Start background reads of the full chunks of ``keys`` and return at once. At most
+        ``window`` (default ``4 * max_concurrent_reads``) chunks are read ahead of the consumer."""
         self._check_open()
-        cancelled = threading.Event()
-        futures = [self._pool.submit(self._read_full, k, cancelled) for k in keys]
-        self._futures.update(futures)
-        return PrefetchHandle(list(keys), futures, cancelled, self._count)
+        window = window or 4 * self.max_concurrent_reads
+        return PrefetchHandle(list(keys), self._submit_read, window, self._count)
 
-    def _read_full(self, key: str, cancelled: threading.Event | None = None) -> Tensor | None:
-        if cancelled is not None and cancelled.is_set():
-            self._count(cancelled=1)
-            return None
+    def _submit_read(self, key: str) -> Future:
+        try:
+            fut = self._pool.submit(self._read_full, key)
+        except RuntimeError:  # the pool is shut down: the store closed
+            return _MISSED
+        self._futures.add(fut)
+        return fut
+
+    def _read_full(self, key: str) -> Tensor | None:
         try:
             blob = self._read(key + self._full_sfx)
             if blob is None:

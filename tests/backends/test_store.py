@@ -135,8 +135,11 @@ def test_prefetch_returns_at_once_and_yields_chunks_when_read(tmp_path, chunks):
             handle.wait(0, timeout=0.05)
         gate.set()
         assert torch.equal(handle.wait(2, timeout=10), chunks[2])
-        out = handle.wait(timeout=10)
-        assert handle.done and all(torch.equal(o, c) for o, c in zip(out, chunks)) and out[-1] is None
+        with pytest.raises(RuntimeError, match="already handed out"):  # the handle kept no reference
+            handle.wait(2)
+        out = [handle.wait(i, timeout=10) for i in range(len(keys)) if i != 2]
+        rest = [c for i, c in enumerate(chunks) if i != 2]
+        assert handle.done and all(torch.equal(o, c) for o, c in zip(out, rest)) and out[-1] is None
 
 
 def test_wait_async_never_blocks_the_event_loop(tmp_path, chunks):
@@ -158,7 +161,7 @@ def test_wait_async_never_blocks_the_event_loop(tmp_path, chunks):
             handle = store.prefetch([f"k{i}" for i in range(len(chunks))])
             asyncio.get_running_loop().call_later(0.2, gate.set)
             first = await handle.wait_async(0)
-            out = await handle.wait_async()
+            out = [first] + [await handle.wait_async(i) for i in range(1, len(chunks))]
             tick.cancel()
             return ticks, first, out
 
@@ -180,6 +183,22 @@ def test_cancel_drops_reads_not_started(tmp_path, chunks):
         out = handle.wait(timeout=10)
         assert handle.done and all(o is None for o in out[1:])
         assert tier.gets == 1 and store.stats.cancelled == len(chunks) - 1
+
+
+def test_prefetch_reads_at_most_window_chunks_ahead(tmp_path, chunks):
+    """Backpressure: a handle over many keys reads ``window`` chunks ahead of its consumer."""
+    tier = CountingDisk(tmp_path)
+    with store_on(tier, max_concurrent_reads=1) as store:
+        store.put("k", chunks[0])
+        handle = store.prefetch(["k"] * 100, window=3)
+        time.sleep(0.3)
+        assert tier.gets == 3  # not 100: the consumer has not taken anything yet
+        for i in range(10):
+            assert torch.equal(handle.wait(i, timeout=10), chunks[0])
+        time.sleep(0.3)
+        assert tier.gets == 13
+        handle.cancel()
+        assert store.stats.cancelled >= 87
 
 
 def test_concurrency_bound_holds_across_handles(tmp_path, chunks):
