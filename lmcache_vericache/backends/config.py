@@ -9,7 +9,7 @@ bad key gets the same message everywhere, named as the user wrote it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from .. import compressors
@@ -41,6 +41,7 @@ class StoreConfig:
     capacity: str = "memory"
     disk_path: str | None = None
     disk_fsync: bool = False
+    disk_max_bytes: int | None = None  # bound of the disk/nixl tier (LRU eviction); None: unbounded
     redis_url: str | None = None
     redis_prefix: str = "vericache:"
     lm_url: str | None = None  # LMCache server, lm://host:port
@@ -50,6 +51,14 @@ class StoreConfig:
     max_concurrent_reads: int = 4
     model_id: str | None = None
     hash_scheme: str | None = None
+
+    def __repr__(self) -> str:
+        """The dataclass repr, with passwords in URLs as ``***``."""
+        from .tiers.base import redact
+
+        shown = {f.name: getattr(self, f.name) for f in fields(self)}
+        shown.update({k: redact(v) for k, v in shown.items() if k.endswith("_url") and isinstance(v, str)})
+        return f"StoreConfig({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
     @classmethod
     def parse(cls, values: Mapping[str, Any], *, where: str = "store config", prefix: str = "") -> StoreConfig:
@@ -63,7 +72,7 @@ class StoreConfig:
         except (ValueError, TypeError) as e:
             name = "compressor_params" if self.compressor in compressors.available() else "compressor"
             raise ValueError(f"{name}: {e}") from None
-        for name in ("num_kv_heads", "memory_bytes", "hot_bytes", "max_concurrent_reads"):
+        for name in ("num_kv_heads", "disk_max_bytes", "memory_bytes", "hot_bytes", "max_concurrent_reads"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
@@ -100,11 +109,13 @@ class StoreConfig:
         if self.capacity == "disk":
             from .tiers.disk import DiskTier
 
-            return DiskTier(self.disk_path, fsync=self.disk_fsync)  # type: ignore[arg-type]
+            return DiskTier(self.disk_path, fsync=self.disk_fsync,  # type: ignore[arg-type]
+                            max_bytes=self.disk_max_bytes)
         if self.capacity == "nixl":
             from .tiers.nixl import NixlTier
 
-            return NixlTier(self.disk_path, fsync=self.disk_fsync)  # type: ignore[arg-type]
+            return NixlTier(self.disk_path, fsync=self.disk_fsync,  # type: ignore[arg-type]
+                            max_bytes=self.disk_max_bytes)
         if self.capacity == "redis":
             from .tiers.redis import RedisTier
 
