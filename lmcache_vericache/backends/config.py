@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from .. import compressors
@@ -42,6 +42,7 @@ class StoreConfig:
     capacity: str = "memory"
     disk_path: str | None = None
     disk_fsync: bool = False
+    disk_max_bytes: int | None = None  # bound of the disk/nixl tier (LRU eviction); None: unbounded
     redis_url: str | None = None
     redis_prefix: str = "vericache:"
     lm_url: str | None = None  # LMCache server, lm://host:port
@@ -56,6 +57,14 @@ class StoreConfig:
     # config file.
     mac_key_env: str | None = None
 
+    def __repr__(self) -> str:
+        """The dataclass repr, with passwords in URLs as ``***``."""
+        from .tiers.base import redact
+
+        shown = {f.name: getattr(self, f.name) for f in fields(self)}
+        shown.update({k: redact(v) for k, v in shown.items() if k.endswith("_url") and isinstance(v, str)})
+        return f"StoreConfig({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
+
     @classmethod
     def parse(cls, values: Mapping[str, Any], *, where: str = "store config", prefix: str = "") -> StoreConfig:
         """Validated config from flat keys; errors name the key as ``prefix + key`` and say ``where``."""
@@ -68,7 +77,7 @@ class StoreConfig:
         except (ValueError, TypeError) as e:
             name = "compressor_params" if self.compressor in compressors.available() else "compressor"
             raise ValueError(f"{name}: {e}") from None
-        for name in ("num_kv_heads", "memory_bytes", "hot_bytes", "max_concurrent_reads"):
+        for name in ("num_kv_heads", "disk_max_bytes", "memory_bytes", "hot_bytes", "max_concurrent_reads"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
@@ -108,11 +117,13 @@ class StoreConfig:
         if self.capacity == "disk":
             from .tiers.disk import DiskTier
 
-            return DiskTier(self.disk_path, fsync=self.disk_fsync)  # type: ignore[arg-type]
+            return DiskTier(self.disk_path, fsync=self.disk_fsync,  # type: ignore[arg-type]
+                            max_bytes=self.disk_max_bytes)
         if self.capacity == "nixl":
             from .tiers.nixl import NixlTier
 
-            return NixlTier(self.disk_path, fsync=self.disk_fsync)  # type: ignore[arg-type]
+            return NixlTier(self.disk_path, fsync=self.disk_fsync,  # type: ignore[arg-type]
+                            max_bytes=self.disk_max_bytes)
         if self.capacity == "redis":
             from .tiers.redis import RedisTier
 

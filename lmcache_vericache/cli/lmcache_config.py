@@ -84,7 +84,8 @@ def add_parser(subparsers) -> None:
     s.add_argument("--model-id", default=None,
                    help="model identity in chunk keys (default: the host's model name); set the same "
                         "value on every host that shares the store")
-    s.add_argument("--disk-path", default="/tmp/vericache-kv")
+    s.add_argument("--disk-path", default="~/.cache/lmcache_vericache/kv",
+                   help="private directory of the disk tier (default ~/.cache/lmcache_vericache/kv)")
     s.add_argument("--redis-url", default=None)
     s.add_argument("--hot-bytes", type=int, default=None, help="compressed chunks kept in memory")
     s.add_argument("--num-kv-heads", type=int, default=None,

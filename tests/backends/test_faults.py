@@ -142,7 +142,7 @@ def test_redis_killed_mid_run_gives_misses_and_errors_not_crashes(redis_server_f
 def small_tmpfs(tmp_path):
     mnt = tmp_path / "small"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mnt)], capture_output=True, text=True)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a 1 MiB tmpfs to fill (needs root): {r.stderr.strip()}")
     yield mnt

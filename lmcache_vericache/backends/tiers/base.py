@@ -88,3 +88,27 @@ class ErrorLog:
 def check_key(key: str) -> None:
     if not isinstance(key, str) or not key:
         raise ValueError(f"tier keys are non-empty str, got {key!r}")
+
+
+
+def _userinfo(url: str) -> tuple[str, str, str, str] | None:
+    """``(scheme, user, password, rest)`` of a URL with a password; splits like ``urlsplit`` (the netloc
+    ends at the first ``/?#``, the user info at its last ``@``) but never raises."""
+    scheme, sep, rest = url.partition("://")
+    end = min((i for i in map(rest.find, "/?#") if i >= 0), default=len(rest))
+    userinfo, at, host = rest[:end].rpartition("@")
+    user, colon, password = userinfo.partition(":")
+    return (scheme, user, password, host + rest[end:]) if sep and at and colon else None
+
+
+def redact(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (``redis://user:***@host:6379/0``), for every
+    message, log line and repr that shows a URL; a URL without a password is returned as is."""
+    parts = _userinfo(url)
+    return url if parts is None else f"{parts[0]}://{parts[1]}:***@{parts[3]}"
+
+
+def scrub(text: object, url: str) -> str:
+    """``str(text)`` (e.g. a client library's exception) with the password of ``url`` replaced by ``***``."""
+    parts, text = _userinfo(url), str(text)
+    return text.replace(parts[2], "***") if parts and parts[2] else text

@@ -15,7 +15,7 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat
 from lmcache.v1.protocol import ClientCommand, ClientMetaMessage, ServerMetaMessage, ServerReturnCode
 
-from .base import Blob, CapacityTier, ErrorLog, TierError, check_key
+from .base import Blob, CapacityTier, ErrorLog, TierError, check_key, redact
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +40,9 @@ class LMServerTier(CapacityTier):
     def __init__(self, url: str, *, namespace: str = "vericache", timeout: float = 5.0) -> None:
         u = urlparse(url)
         if u.scheme != "lm" or not u.hostname or not u.port:
-            raise TierError(f"lm tier: bad url {url!r}, expected lm://host:port")
+            raise TierError(f"lm tier: bad url {redact(url)!r}, expected lm://host:port")
         self.url, self.namespace, self.timeout = url, namespace, timeout
+        self._shown = redact(url)
         self._addr = (u.hostname, u.port)
         self._local = threading.local()
         self._socks: set[socket.socket] = set()
@@ -51,7 +52,7 @@ class LMServerTier(CapacityTier):
         try:
             self._request(ClientCommand.HEALTH, "health")
         except OSError as e:
-            raise TierError(f"lm tier: cannot reach {url}: {e}") from e
+            raise TierError(f"lm tier: cannot reach {self._shown}: {e}") from e
 
     # -- wire ---------------------------------------------------------------------------------------
     def _cache_key(self, key: str) -> CacheEngineKey:
@@ -107,7 +108,7 @@ class LMServerTier(CapacityTier):
     def put(self, key: str, data: Blob) -> None:
         check_key(key)
         if self._closed:
-            raise TierError(f"lm tier {self.url}: put {key!r} after close")
+            raise TierError(f"lm tier {self._shown}: put {key!r} after close")
         k = key.encode()
         self._store(key, b"".join((_KEY_LEN.pack(len(k)), k, data)), len(data))
 
@@ -117,7 +118,7 @@ class LMServerTier(CapacityTier):
             if ack.code != ServerReturnCode.SUCCESS:
                 raise OSError("server did not store the value")
         except OSError as e:
-            raise TierError(f"lm tier {self.url}: PUT {key!r} ({size} bytes) failed: {e}") from e
+            raise TierError(f"lm tier {self._shown}: PUT {key!r} ({size} bytes) failed: {e}") from e
 
     def get(self, key: str) -> bytes | None:
         check_key(key)
@@ -130,7 +131,7 @@ class LMServerTier(CapacityTier):
             value = self._recv(self._sock(), reply.length)
         except OSError as e:
             self._drop()
-            self._errors("lm tier %s: GET %r failed: %s", self.url, key, e)
+            self._errors("lm tier %s: GET %r failed: %s", self._shown, key, e)
             return None
         k = key.encode()
         head = _KEY_LEN.size + len(k)
@@ -145,7 +146,7 @@ class LMServerTier(CapacityTier):
         try:
             reply = self._request(ClientCommand.EXIST, key)
         except OSError as e:
-            self._errors("lm tier %s: EXIST %r failed: %s", self.url, key, e)
+            self._errors("lm tier %s: EXIST %r failed: %s", self._shown, key, e)
             return False
         return reply.code == ServerReturnCode.SUCCESS
 
@@ -154,7 +155,7 @@ class LMServerTier(CapacityTier):
         try:
             self._store(key, b"", 0)  # unframed empty value: reads as a miss
         except TierError as e:
-            self._errors("lm tier %s: delete %r failed: %s", self.url, key, e)
+            self._errors("lm tier %s: delete %r failed: %s", self._shown, key, e)
 
     def close(self) -> None:
         self._closed = True

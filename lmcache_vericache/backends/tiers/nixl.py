@@ -30,13 +30,15 @@ class NixlTier(DiskTier):
 
     name = "nixl"
 
-    def __init__(self, path: str | os.PathLike, *, fsync: bool = False, backend: str = "POSIX") -> None:
+    def __init__(self, path: str | os.PathLike, *, fsync: bool = False, backend: str = "POSIX",
+                 max_bytes: int | None = None, stale_tmp_s: float = 3600.0, sweep_s: float = 60.0) -> None:
+        """``backend`` is NIXL's; the other arguments are :class:`DiskTier`'s."""
         if nixl_agent is None:
             raise TierError("nixl tier: nixl-cu12 is not installed (pip install 'lmcache_vericache[nixl]')")
         self.backend = backend
         self._local = threading.local()
         self._id = uuid.uuid4().hex[:8]
-        super().__init__(path, fsync=fsync)
+        super().__init__(path, fsync=fsync, max_bytes=max_bytes, stale_tmp_s=stale_tmp_s, sweep_s=sweep_s)
         try:
             self._agent()
         except Exception as e:

@@ -8,13 +8,14 @@ import redis as redis_py
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from .base import Blob, CapacityTier, ErrorLog, TierError, check_key
+from .base import Blob, CapacityTier, ErrorLog, TierError, check_key, redact, scrub
 
 logger = logging.getLogger(__name__)
 
 
 class RedisTier(CapacityTier):
-    """Values in a Redis/Valkey server at ``url`` (``redis://host:port/db``), under ``prefix``.
+    """Values in a Redis/Valkey server at ``url`` (``redis://[user:password@]host:port/db``), under
+    ``prefix``. Messages, logs and the repr show the URL with its password as ``***``.
 
     Several processes and hosts may share one server: that is the remote prefix-cache case.
     A ``SET`` is atomic, so readers never see partial values. A lost or refused connection makes
@@ -50,15 +51,19 @@ class RedisTier(CapacityTier):
                 max_connections=max_connections,
             )
         except ValueError as e:
-            raise TierError(f"redis tier: bad url {url!r}: {e}") from e
-        self.url, self.prefix = url, prefix
+            raise TierError(f"redis tier: bad url {redact(url)!r}: {scrub(e, url)}") from None
+        self.url, self.prefix = url, prefix  # url keeps the password: never put it in a message
+        self._shown = redact(url)
         self._errors = ErrorLog(logger)
         self._closed = False
         try:
             self._client.ping()
         except (redis_py.RedisError, OSError) as e:
             self._client.close()
-            raise TierError(f"redis tier: cannot reach {url}: {e}") from e
+            raise TierError(f"redis tier: cannot reach {self._shown}: {scrub(e, self.url)}") from e
+
+    def __repr__(self) -> str:
+        return f"RedisTier({self._shown!r}, prefix={self.prefix!r})"
 
     def _key(self, key: str) -> str:
         check_key(key)
@@ -67,11 +72,13 @@ class RedisTier(CapacityTier):
     def put(self, key: str, data: Blob) -> None:
         k = self._key(key)
         if self._closed:
-            raise TierError(f"redis tier {self.url}: put {key!r} after close")
+            raise TierError(f"redis tier {self._shown}: put {key!r} after close")
         try:
             self._client.set(k, data)
         except (redis_py.RedisError, OSError) as e:
-            raise TierError(f"redis tier {self.url}: SET {key!r} ({len(data)} bytes) failed: {e}") from e
+            raise TierError(
+                f"redis tier {self._shown}: SET {key!r} ({len(data)} bytes) failed: {scrub(e, self.url)}"
+            ) from e
 
     def get(self, key: str) -> bytes | None:
         k = self._key(key)
@@ -80,7 +87,7 @@ class RedisTier(CapacityTier):
         try:
             return self._client.get(k)  # type: ignore[return-value]
         except (redis_py.RedisError, OSError) as e:
-            self._errors("redis tier %s: GET %r failed: %s", self.url, key, e)
+            self._errors("redis tier %s: GET %r failed: %s", self._shown, key, scrub(e, self.url))
             return None
 
     def contains(self, key: str) -> bool:
@@ -90,7 +97,7 @@ class RedisTier(CapacityTier):
         try:
             return bool(self._client.exists(k))
         except (redis_py.RedisError, OSError) as e:
-            self._errors("redis tier %s: EXISTS %r failed: %s", self.url, key, e)
+            self._errors("redis tier %s: EXISTS %r failed: %s", self._shown, key, scrub(e, self.url))
             return False
 
     def delete(self, key: str) -> None:
@@ -98,7 +105,7 @@ class RedisTier(CapacityTier):
         try:
             self._client.delete(k)
         except (redis_py.RedisError, OSError) as e:
-            self._errors("redis tier %s: DEL %r failed: %s", self.url, key, e)
+            self._errors("redis tier %s: DEL %r failed: %s", self._shown, key, scrub(e, self.url))
 
     def close(self) -> None:
         if not self._closed:
