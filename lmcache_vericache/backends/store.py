@@ -225,7 +225,8 @@ class DualTierStore:
 
     # -- write path -----------------------------------------------------------------------------
     def put(
-        self, key: str, full: Tensor, *, start: int = 0, queries: Tensor | None = None, compress: bool = True
+        self, key: str, full: Tensor, *, start: int = 0, queries: Tensor | None = None, compress: bool = True,
+        replace: bool = False,
     ) -> None:
         """Compress ``full`` (``[2, L, T, H*D]``), store full and compressed bytes in the capacity
         tier and keep the compressed chunk hot. Raises ``TierError`` (logged) if the capacity tier
@@ -233,9 +234,10 @@ class DualTierStore:
 
         ``compress=False`` stores the full chunk only, for KV whose rows are not tokens (vLLM's
         CPU paged blocks as LMCache's MP server hands them over): a compressed copy of those
-        bytes would serve no drafter and cost a compression per chunk."""
+        bytes would serve no drafter and cost a compression per chunk. ``replace=True`` rewrites
+        a committed value: for a caller that found it unusable and recomputed the exact KV."""
         self._check_open()
-        if self.has_full(key) and (not compress or self.capacity.contains(key + self._ckv_sfx)) \
+        if not replace and self.has_full(key) and (not compress or self.capacity.contains(key + self._ckv_sfx)) \
                 and key not in self._rejected:
             # Keys name immutable content (chained prefix hashes): a committed chunk, ours or
             # another instance's, is never rewritten, so a failing rewrite cannot delete it.

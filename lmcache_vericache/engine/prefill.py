@@ -68,12 +68,22 @@ class Prefiller:
         return logits[0], q
 
     def recompute_chunk(self, r: Request, i: int) -> None:
-        """Exact KV of prompt chunk ``i`` from its tokens, into the full cache (a chunk the store missed)."""
+        """Exact KV of prompt chunk ``i`` from its tokens, into the full cache (a chunk the store
+        missed), and, once per request, back into the store: a chunk lost with a restarted server
+        or deleted as corrupt is rewritten instead of recomputed every round. Full-only (no
+        compression on the decode path); the next prefill of the prompt restores the compressed copy."""
         c, n = self.chunk_size, r.full.n
         r.full.n = i * c
         self.rt.forward(torch.tensor(r.tokens[i * c:(i + 1) * c]), torch.arange(i * c, (i + 1) * c),
                         [Segment(r.full, c)], rows=torch.tensor([c - 1]))
         r.full.n = n
+        if self.store is not None and i not in r.restored:
+            r.restored.add(i)
+            try:
+                self.store.put(r.keys[i], r.full.to_2ltd(i * c, (i + 1) * c).contiguous(), compress=False,
+                               replace=True)  # the stored value may exist but be unusable (wrong shape)
+            except TierError as e:  # logged by the store; the chunk stays recomputed each round
+                logger.debug("request %d: could not restore chunk %d in the store: %s", r.idx, i, e)
 
     def _store_prompt(self, r: Request, keys: list[str], queries: Tensor | None) -> list[CompressedKV]:
         """Put the prompt's full chunks into the store (which compresses them) and take the

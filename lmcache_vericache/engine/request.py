@@ -82,6 +82,7 @@ class Request:
     draft: KVCache | None = None
     prefix: int = 0
     keys: list[str] = field(default_factory=list)
+    restored: set[int] = field(default_factory=set)  # prefix chunks recomputed and put back into the store
     start: int = 0  # position of the first token the round feeds (the tail of a cached prompt, else pos)
     t0: float = 0.0  # arrival time (perf_counter)
     gen: torch.Generator | None = None

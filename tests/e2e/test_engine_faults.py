@@ -5,7 +5,7 @@
   plain full-KV greedy decoding token for token;
 * a full chunk damaged on disk mid-decode: it fails its digest (counted by the store), is never
   verified against (the verify buffer's prefix is NaN-poisoned: only swapped-in or recomputed KV
-  can fill it), is recomputed, and the output is identical.
+  can fill it), is recomputed and put back, and the output is identical.
 """
 
 from __future__ import annotations
@@ -72,7 +72,9 @@ def test_corrupt_full_chunk_on_disk_is_never_verified_against(case, tmp_path, ca
         [out] = eng.generate([prompt], N_NEW, on_round=_kill_after(1, damage))
         s, st = out.stats, eng.store.stats
     assert out.tokens == ref
-    assert s.rounds > 1 and s.recomputed_chunks == s.rounds - 1  # chunk 1, in every round after the damage
-    assert st.corrupt == st.full_misses == s.recomputed_chunks
-    assert s.bytes_moved == (CHUNKS * s.rounds - s.recomputed_chunks) * 256 * eng.rt.kv_bytes_per_token()
-    assert any("failed verification" in r.getMessage() for r in caplog.records if r.levelno == logging.ERROR)
+    # chunk 1: detected in the round after the damage, deleted, recomputed once, rewritten; later
+    # rounds swap the rewritten chunk in
+    assert s.rounds > 2 and s.recomputed_chunks == 1
+    assert st.corrupt == st.full_misses == 1
+    assert s.bytes_moved == (CHUNKS * s.rounds - 1) * 256 * eng.rt.kv_bytes_per_token()
+    assert any("is corrupt" in r.getMessage() for r in caplog.records if r.levelno == logging.ERROR)
