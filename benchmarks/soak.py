@@ -167,8 +167,17 @@ def main() -> None:
     faults: list[dict] = []
     t_start = time.time()
 
+    # How each fault shows in the workers' store counters (summed over workers).
+    signs = {"kill": ("full_misses", "put_errors"), "full": ("put_errors",), "corrupt": ("corrupt",)}
+
+    def counters() -> dict[str, int]:
+        return {k: sum(v[1].get(k, 0) for v in {**latest, **done}.values()) for k in
+                ("full_misses", "put_errors", "corrupt")}
+
     def log(kind: str, detail: object) -> None:
-        faults.append({"t": round(time.time() - t_start, 1), "kind": kind, "detail": detail})
+        if faults:  # what the previous fault moved, up to now
+            faults[-1]["counted"] = sum(counters()[k] - faults[-1]["before"][k] for k in signs[faults[-1]["kind"]])
+        faults.append({"t": round(time.time() - t_start, 1), "kind": kind, "detail": detail, "before": counters()})
         print(f"[{faults[-1]['t']:7.1f} s] fault: {kind} {detail}", file=sys.stderr)
 
     for p in procs:
@@ -181,7 +190,9 @@ def main() -> None:
             while not queue.empty():
                 kind, wid, t, totals, stats = queue.get()
                 (done if kind == "done" else latest)[wid] = (totals, stats)
-            if time.time() >= next_fault and time.time() < deadline - 10:
+            if len(latest) < len(procs):  # faults start once every worker is decoding
+                next_fault = time.time() + args.fault_every
+            elif time.time() >= next_fault and time.time() < deadline - 10:
                 action = cycle[len(faults) % len(cycle)]
                 {"kill": shared.kill_and_restart, "corrupt": shared.corrupt, "full": shared.fill}[action](log)
                 next_fault = time.time() + args.fault_every
@@ -197,6 +208,8 @@ def main() -> None:
             p.join(timeout=60)
         shared.stop()
 
+    if faults:
+        faults[-1]["counted"] = sum(counters()[k] - faults[-1]["before"][k] for k in signs[faults[-1]["kind"]])
     totals = {k: sum(d[0][k] for d in done.values()) for k in
               ("requests", "tokens", "wrong_tokens", "recomputed_chunks", "cached_chunks", "errors")}
     stats = {k: sum(d[1][k] for d in done.values()) for k in next(iter(done.values()))[1]}
@@ -207,6 +220,7 @@ def main() -> None:
         "minutes": args.minutes, "tier": args.tier, "workers": args.workers, "batch": BATCH,
         "cpu": platform.processor() or platform.machine(), **totals, "store": stats,
         "faults_injected": injected, "chunks_corrupted": corrupted, "faults": faults,
+        "faults_seen_by_workers": sum(f.get("counted", 0) > 0 for f in faults),
         "counted": {"corrupt_detected": stats["corrupt"], "put_errors": stats["put_errors"],
                     "full_misses": stats["full_misses"], "recomputed_chunks": totals["recomputed_chunks"]},
         "rss_mb_first_last": {w: (r[0][1], r[-1][1]) if r else None for w, r in rss.items()},
