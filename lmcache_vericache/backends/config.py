@@ -93,9 +93,8 @@ class StoreConfig:
             raise ValueError(f"hash_scheme must be one of {HASH_SCHEMES}, got {self.hash_scheme!r}")
         if self.model_id is not None and not self.model_id:
             raise ValueError("model_id must not be empty")
-        if self.mac_key_env is not None and len(os.environ.get(self.mac_key_env, "")) < 16:
-            raise ValueError(f"mac_key_env names {self.mac_key_env!r}, which must be set to a secret of "
-                             "at least 16 bytes")
+        if self.mac_key_env is not None and not self.mac_key_env:
+            raise ValueError("mac_key_env must not be empty")
 
     def key_space(self, *, model: str, dtype: torch.dtype | str, chunk_size: int, layout: str = LAYOUT_2LTD,
                   scheme: str = "blake3") -> KeySpace:
@@ -142,6 +141,10 @@ class StoreConfig:
 
         if self.num_kv_heads is None:
             raise ValueError("store config: num_kv_heads is required (the host does not know the model)")
+        # The secret is read where the store runs (a config may be printed elsewhere).
+        if self.mac_key_env is not None and len(os.environ.get(self.mac_key_env, "")) < 16:
+            raise ValueError(f"store config: mac_key_env names {self.mac_key_env!r}, which must be set to a "
+                             "secret of at least 16 bytes")
         return DualTierStore(compressors.get(self.compressor, **self.compressor_params), self.build_capacity(),
                              num_kv_heads=self.num_kv_heads, hot_bytes=self.hot_bytes,
                              max_concurrent_reads=self.max_concurrent_reads,

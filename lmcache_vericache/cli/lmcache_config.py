@@ -88,6 +88,10 @@ def add_parser(subparsers) -> None:
                    help="private directory of the disk tier (default ~/.cache/lmcache_vericache/kv)")
     s.add_argument("--redis-url", default=None)
     s.add_argument("--hot-bytes", type=int, default=None, help="compressed chunks kept in memory")
+    s.add_argument("--disk-max-bytes", type=int, default=None, help="byte cap of the disk tier (LRU eviction)")
+    s.add_argument("--mac-key-env", default=None, metavar="VAR",
+                   help="environment variable holding a shared secret: values are MAC-tagged and "
+                        "values written without it are rejected")
     s.add_argument("--num-kv-heads", type=int, default=None,
                    help="the model's KV heads (required for --format l2-json/server; in-process reads the model)")  # fmt: skip
     lm = p.add_argument_group("LMCache")
@@ -121,7 +125,7 @@ def _params(args: argparse.Namespace) -> dict[str, Any]:
         params["disk_path"] = args.disk_path
     if args.redis_url is not None:
         params["redis_url"] = args.redis_url
-    for name in ("hot_bytes", "num_kv_heads", "model_id"):
+    for name in ("hot_bytes", "num_kv_heads", "model_id", "disk_max_bytes", "mac_key_env"):
         if getattr(args, name) is not None:
             params[name] = getattr(args, name)
     return params

@@ -72,7 +72,7 @@ def test_mac_store_rejects_values_written_without_the_key(tier_factory):
 def test_mac_key_comes_from_the_environment(monkeypatch, tmp_path):
     cfg = {"num_kv_heads": HEADS, "capacity": "disk", "disk_path": str(tmp_path), "mac_key_env": "VC_TEST_MAC"}
     with pytest.raises(ValueError, match="mac_key_env names 'VC_TEST_MAC', which must be set"):
-        StoreConfig.parse(cfg)
+        StoreConfig.parse(cfg).build()
     monkeypatch.setenv("VC_TEST_MAC", SECRET.decode())
     with StoreConfig.parse(cfg).build() as a:
         a.put("k", chunk(0))
