@@ -18,6 +18,7 @@ import blake3
 import torch
 
 from .. import compressors
+from .. import metrics as M
 from ..compressors import CodecError, CompressedKV, KVCompressor, from_bytes, to_bytes
 from .fullchunk import CorruptChunkError, decode_full, encode_full
 from .tiers.base import CapacityTier, TierError
@@ -222,6 +223,23 @@ class DualTierStore:
         self._mac_key = None if mac_key is None else blake3.blake3(
             mac_key, derive_key_context="lmcache_vericache store MAC v1").digest()
         self._full_sfx, self._ckv_sfx = MAC_SUFFIXES if mac_key is not None else (FULL_SUFFIX, COMPRESSED_SUFFIX)
+        self._bind_metrics(getattr(capacity, "name", type(capacity).__name__))
+
+    def _bind_metrics(self, tier: str) -> None:
+        """Prometheus children of this store's tier, bound once (``_count`` feeds them with the stats)."""
+        self._prom = {
+            "compressed_misses": M.STORE_MISSES.labels(tier, "compressed"),
+            "full_hits": M.STORE_HITS.labels(tier, "full"), "full_misses": M.STORE_MISSES.labels(tier, "full"),
+            **{k: M.STORE_REJECTED.labels(tier, k) for k in ("corrupt", "unauthenticated", "invalid")},
+            "cancelled": M.STORE_CANCELLED.labels(tier), "puts": M.STORE_PUTS.labels(tier),
+            "put_errors": M.STORE_PUT_ERRORS.labels(tier), "bytes_read": M.STORE_BYTES_READ.labels(tier),
+            "bytes_written": M.STORE_BYTES_WRITTEN.labels(tier),
+        }  # compressed_hits: counted by path in get_compressed
+        self._prom_ckv_hit = {True: M.STORE_HITS.labels(tier, "compressed_hot"),
+                              False: M.STORE_HITS.labels(tier, "compressed_tier")}
+        self._prom_full_s, self._prom_put_s = M.STORE_FULL_READ_SECONDS.labels(tier), M.STORE_PUT_SECONDS.labels(tier)
+        self._prom_queued = M.STORE_PREFETCH.labels(tier, "queued")
+        self._prom_reading = M.STORE_PREFETCH.labels(tier, "reading")
 
     # -- write path -----------------------------------------------------------------------------
     def put(
@@ -243,6 +261,10 @@ class DualTierStore:
             # another instance's, is never rewritten, so a failing rewrite cannot delete it.
             # (A value found corrupt or invalid is deleted on read, so it is rewritten here.)
             return
+        with self._prom_put_s.time():
+            self._put(key, full, start, queries, compress)
+
+    def _put(self, key: str, full: Tensor, start: int, queries: Tensor | None, compress: bool) -> None:
         full_blob = encode_full(full)
         if not compress:
             self._put_or_raise(key + self._full_sfx, full_blob, key)
@@ -326,6 +348,7 @@ class DualTierStore:
         """The compressed chunk from the hot tier, else from the capacity tier (validated, then kept hot)."""
         self._check_open()
         ckv = self._hot.get(key)
+        hot = ckv is not None
         if ckv is None:
             try:
                 blob = self._read(key + self._ckv_sfx)
@@ -338,6 +361,8 @@ class DualTierStore:
                 ckv = None
                 self._reject(key, "compressed", e)
         self._count(**{"compressed_hits" if ckv is not None else "compressed_misses": 1})
+        if ckv is not None:
+            self._prom_ckv_hit[hot].inc()
         return ckv
 
     def get_compressed_prefix(self, keys: list[str]) -> list[CompressedKV]:
@@ -383,14 +408,33 @@ class DualTierStore:
         return PrefetchHandle(list(keys), self._submit_read, window, self._count)
 
     def _submit_read(self, key: str) -> Future:
+        self._prom_queued.inc()
         try:
-            fut = self._pool.submit(self._read_full, key)
+            fut = self._pool.submit(self._prefetch_read, key)
         except RuntimeError:  # the pool is shut down: the store closed
+            self._prom_queued.dec()
             return _MISSED
+        fut.add_done_callback(self._dequeue_cancelled)
         self._futures.add(fut)
         return fut
 
+    def _dequeue_cancelled(self, fut: Future) -> None:
+        if fut.cancelled():  # never ran: still counted as queued
+            self._prom_queued.dec()
+
+    def _prefetch_read(self, key: str) -> Tensor | None:
+        self._prom_queued.dec()
+        self._prom_reading.inc()
+        try:
+            return self._read_full(key)
+        finally:
+            self._prom_reading.dec()
+
     def _read_full(self, key: str) -> Tensor | None:
+        with self._prom_full_s.time():
+            return self._read_full_timed(key)
+
+    def _read_full_timed(self, key: str) -> Tensor | None:
         try:
             blob = self._read(key + self._full_sfx)
             if blob is None:
@@ -420,6 +464,8 @@ class DualTierStore:
         with self._lock:
             for name, d in deltas.items():
                 setattr(self._stats, name, getattr(self._stats, name) + d)
+                if d and (c := self._prom.get(name)) is not None:
+                    c.inc(d)
 
     def _check_open(self) -> None:
         if self._closed:

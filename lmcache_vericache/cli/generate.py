@@ -7,6 +7,9 @@ standard library). Prints one JSON object with ``--json``.
 ``--store-config`` puts the full and compressed KV in a dual-tier store built from JSON (the keys of
 ``StoreConfig``), e.g. a Redis server shared by several runs: a run whose prompt
 starts with chunks another run stored skips their prefill (``cached_chunks`` in the output).
+
+``--metrics-port`` serves the Prometheus metrics (README.md#metrics) on ``/metrics`` while the run
+lasts and prints their final values to stderr at its end.
 """
 
 from __future__ import annotations
@@ -47,6 +50,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--ngram", action="store_true", help="stack a prompt-lookup proposer in front of the drafter")
     p.add_argument("--reference", action="store_true", help="also run plain full-KV greedy decoding and compare")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics on http://ADDR:PORT/metrics during the run and print "
+                        "their final values to stderr")
+    p.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",
+                   help="address for --metrics-port (default 127.0.0.1; 0.0.0.0 for every interface)")
 
 
 def _json_object(text: str | None, flag: str) -> dict | None:
@@ -80,10 +88,32 @@ def _parse(args: argparse.Namespace) -> tuple[dict | None, int | str, dict | Non
         raise ValueError("--reference compares against greedy decoding; use --temperature 0")
     if args.prompt_tokens < 0:
         raise ValueError("--prompt-tokens must be >= 0")
+    if args.metrics_port is not None and not 1 <= args.metrics_port <= 65535:
+        raise ValueError(f"--metrics-port must be in 1..65535, got {args.metrics_port}")
     return params, draft_len, store_config
 
 
 def run(args: argparse.Namespace) -> int:
+    from .. import metrics
+
+    server = None
+    try:
+        _parse(args)  # before binding the port or loading the model
+        if args.metrics_port is not None:
+            server = metrics.serve(args.metrics_port, args.metrics_addr)
+    except (ValueError, OSError) as e:
+        print(f"vericache generate: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return _run(args)
+    finally:
+        if server is not None:
+            print(metrics.render(), file=sys.stderr, end="")
+            server.shutdown()
+            server.server_close()
+
+
+def _run(args: argparse.Namespace) -> int:
     import tempfile
     from pathlib import Path
 

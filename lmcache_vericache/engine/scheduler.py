@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from .. import compressors
+from .. import metrics as M
 from ..backends import DualTierStore, StoreConfig
 from ..backends.keys import KeySpace, model_fingerprint
 from .horizon import DraftLen, Horizon, check_draft_len
@@ -219,6 +220,10 @@ class VeriCacheEngine:
                 self._emit(r, [self._pick(r, logits, sampling)])
             r.start = r.pos if logits is not None else r.prefix
             reqs.append(r)
+            if draft:
+                M.ENGINE_REQUESTS.inc()
+                M.ENGINE_CACHED.inc(r.stats.cached_chunks)
+                M.ENGINE_EMITTED.inc(r.stats.new_tokens)
         return reqs
 
     # -- rounds -----------------------------------------------------------------------------------
@@ -292,8 +297,12 @@ class VeriCacheEngine:
             return
         t0 = time.perf_counter()
         misses = r.swap.wait()
-        r.stats.swap_wait_s += time.perf_counter() - t0
+        wait_s = time.perf_counter() - t0
+        r.stats.swap_wait_s += wait_s
         r.stats.swap_s += r.swap.seconds
+        M.ENGINE_SWAP_WAIT.observe(wait_s)
+        M.ENGINE_SWAP_SECONDS.inc(r.swap.seconds)
+        M.ENGINE_RECOMPUTED.inc(len(misses))
         r.stats.bytes_moved += r.swap.nbytes
         if misses:
             logger.warning("request %d: %d of %d full prefix chunks missed in the store (chunks %s); "
@@ -316,8 +325,14 @@ class VeriCacheEngine:
         step_s = r.round_draft_s / drafted if drafted else 0.0
         r.horizon.update(drafted, k, step_s, r.swap.seconds if r.swap is not None else 0.0)
         r.swap = None
+        emitted = r.stats.new_tokens
         self._emit(r, r.drafts[:k] + [nxt])
+        emitted = r.stats.new_tokens - emitted
         r.start = r.pos
+        M.ENGINE_ROUNDS.inc()
+        M.ENGINE_ACCEPTED.observe(k)
+        M.ENGINE_DRAFTED.inc(drafted)
+        M.ENGINE_EMITTED.inc(emitted)
         if self._on_round is not None:
             self._on_round(r)
         if not r.done:

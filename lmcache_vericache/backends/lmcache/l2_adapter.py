@@ -38,6 +38,7 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
+from ... import metrics as M
 from ..config import StoreConfig
 from ..keys import LAYOUT_2LTD, KeySpace
 
@@ -185,6 +186,8 @@ class VeriCacheL2Adapter(L2AdapterInterface):
         with self._lock:
             for name, d in deltas.items():
                 self.stats[name] += d
+                if d:
+                    M.L2[name].inc(d)  # Prometheus: vericache_l2_<name>_total
 
     # -- store ----------------------------------------------------------------------------------
     def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:

@@ -37,6 +37,7 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
+from ... import metrics as M
 from ..config import StoreConfig
 from ..keys import HASH_SCHEMES, KeySpace
 from ..store import DualTierStore
@@ -188,7 +189,7 @@ class VeriCacheBackend(StoragePluginInterface):
                 if len(self._inflight) >= self.MAX_PENDING_PUTS:
                     # Backpressure without stalling inference: a cache may skip a write; the
                     # chunk is recomputed (and offered again) the next time it is needed.
-                    self.stats["put_dropped"] += 1
+                    self._count("put_dropped")
                     if self.stats["put_dropped"] & (self.stats["put_dropped"] - 1) == 0:  # 1, 2, 4, ...
                         logger.warning("%s: %d puts pending, dropped %d chunk puts so far", self,
                                        len(self._inflight), self.stats["put_dropped"])
@@ -211,7 +212,7 @@ class VeriCacheBackend(StoragePluginInterface):
             obj.ref_count_down()
             with self._lock:
                 self._inflight.pop(key, None)
-                self.stats["put_chunks" if ok else "put_errors"] += 1
+                self._count("put_chunks" if ok else "put_errors")
         if ok and on_complete is not None:
             on_complete(key)
 
@@ -259,8 +260,13 @@ class VeriCacheBackend(StoragePluginInterface):
             else:
                 obj.tensor.copy_(full)
         with self._lock:
-            self.stats["get_chunks" if obj is not None else "get_misses"] += 1
+            self._count("get_chunks" if obj is not None else "get_misses")
         return obj
+
+    def _count(self, name: str) -> None:
+        """One more ``name`` in ``stats`` and in Prometheus (``vericache_lmcache_<name>_total``); under ``_lock``."""
+        self.stats[name] += 1
+        M.PLUGIN[name].inc()
 
     # -- management -----------------------------------------------------------------------------
     def remove(self, key: CacheEngineKey, force: bool = True) -> bool:
