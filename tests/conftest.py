@@ -1,12 +1,18 @@
 """Shared fixtures: the real model (loaded once per session), the tiny random Llama, and real
-Redis / LMCache ``lm://`` servers (``lmcache_vericache.testing.servers``)."""
+Redis / Redis Cluster / LMCache ``lm://`` servers (``lmcache_vericache.testing.servers``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lmcache_vericache.testing.servers import lm_server, redis_server, redis_server_factory  # noqa: F401
+from lmcache_vericache.testing.servers import (  # noqa: F401
+    lm_server,
+    redis_cluster,
+    redis_server,
+    redis_server_factory,
+    shared_redis_cluster,
+)
 
 
 @pytest.fixture(scope="session")

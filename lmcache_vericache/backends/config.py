@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from .store import DualTierStore
     from .tiers.base import CapacityTier
 
-CAPACITY_TIERS = ("disk", "nixl", "redis", "lm", "memory")
+CAPACITY_TIERS = ("disk", "nixl", "redis", "redis_cluster", "lm", "memory")
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,9 @@ class StoreConfig:
     disk_fsync: bool = False
     disk_max_bytes: int | None = None  # bound of the disk/nixl tier (LRU eviction); None: unbounded
     redis_url: str | None = None
+    # Startup nodes of the redis_cluster tier, comma-separated redis://[user:pw@]host:port (any
+    # live one is enough; list several so a restart finds one). redis_prefix applies to it too.
+    redis_cluster_urls: str | None = None
     redis_prefix: str = "vericache:"
     lm_url: str | None = None  # LMCache server, lm://host:port
     lm_namespace: str = "vericache"
@@ -62,7 +65,8 @@ class StoreConfig:
         from .tiers.base import redact
 
         shown = {f.name: getattr(self, f.name) for f in fields(self)}
-        shown.update({k: redact(v) for k, v in shown.items() if k.endswith("_url") and isinstance(v, str)})
+        shown.update({k: ",".join(map(redact, v.split(","))) for k, v in shown.items()
+                      if k.endswith(("_url", "_urls")) and isinstance(v, str)})
         return f"StoreConfig({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
     @classmethod
@@ -87,6 +91,8 @@ class StoreConfig:
             raise ValueError(f"disk_path is required for capacity {self.capacity!r}")
         if self.capacity == "redis" and not self.redis_url:
             raise ValueError("redis_url is required for capacity 'redis'")
+        if self.capacity == "redis_cluster":
+            self._validate_cluster()
         if self.capacity == "lm" and not self.lm_url:
             raise ValueError("lm_url is required for capacity 'lm'")
         if self.hash_scheme is not None and self.hash_scheme not in HASH_SCHEMES:
@@ -95,6 +101,19 @@ class StoreConfig:
             raise ValueError("model_id must not be empty")
         if self.mac_key_env is not None and not self.mac_key_env:
             raise ValueError("mac_key_env must not be empty")
+
+    def _validate_cluster(self) -> None:
+        from .tiers.base import redact
+
+        if not self.redis_cluster_urls or not self.redis_cluster_urls.strip(" ,"):
+            raise ValueError("redis_cluster_urls is required for capacity 'redis_cluster' (comma-separated "
+                             "redis://host:port of one or more cluster nodes)")
+        for url in self.redis_cluster_urls.split(","):
+            if not url.strip().startswith(("redis://", "rediss://")):
+                raise ValueError(f"redis_cluster_urls: {redact(url.strip())!r} is not a redis:// or rediss:// URL")
+        if "{" in self.redis_prefix or "}" in self.redis_prefix:
+            raise ValueError(f"redis_prefix {self.redis_prefix!r} must not contain '{{' or '}}' with capacity "
+                             "'redis_cluster' (a hash tag in it would put every key in one slot)")
 
     def key_space(self, *, model: str, dtype: torch.dtype | str, chunk_size: int, layout: str = LAYOUT_2LTD,
                   scheme: str = "blake3") -> KeySpace:
@@ -127,6 +146,10 @@ class StoreConfig:
             from .tiers.redis import RedisTier
 
             return RedisTier(self.redis_url, prefix=self.redis_prefix)  # type: ignore[arg-type]
+        if self.capacity == "redis_cluster":
+            from .tiers.redis_cluster import RedisClusterTier
+
+            return RedisClusterTier(self.redis_cluster_urls, prefix=self.redis_prefix)  # type: ignore[arg-type]
         if self.capacity == "lm":
             from .tiers.lm import LMServerTier
 

@@ -80,13 +80,15 @@ def add_parser(subparsers) -> None:
     s.add_argument("--compressor", default="int8", help="compression method (default int8)")
     s.add_argument("--compressor-param", action="append", default=[], metavar="NAME=VALUE",
                    help="a method parameter; VALUE is parsed as JSON when it can be (repeatable)")  # fmt: skip
-    s.add_argument("--capacity", choices=("disk", "redis", "memory"), default="disk")
+    s.add_argument("--capacity", choices=("disk", "redis", "redis_cluster", "memory"), default="disk")
     s.add_argument("--model-id", default=None,
                    help="model identity in chunk keys (default: the host's model name); set the same "
                         "value on every host that shares the store")
     s.add_argument("--disk-path", default="~/.cache/lmcache_vericache/kv",
                    help="private directory of the disk tier (default ~/.cache/lmcache_vericache/kv)")
     s.add_argument("--redis-url", default=None)
+    s.add_argument("--redis-cluster-urls", default=None,
+                   help="startup nodes of --capacity redis_cluster: redis://host:port,redis://host:port,...")
     s.add_argument("--hot-bytes", type=int, default=None, help="compressed chunks kept in memory")
     s.add_argument("--disk-max-bytes", type=int, default=None, help="byte cap of the disk tier (LRU eviction)")
     s.add_argument("--mac-key-env", default=None, metavar="VAR",
@@ -125,6 +127,8 @@ def _params(args: argparse.Namespace) -> dict[str, Any]:
         params["disk_path"] = args.disk_path
     if args.redis_url is not None:
         params["redis_url"] = args.redis_url
+    if args.redis_cluster_urls is not None:
+        params["redis_cluster_urls"] = args.redis_cluster_urls
     for name in ("hot_bytes", "num_kv_heads", "model_id", "disk_max_bytes", "mac_key_env"):
         if getattr(args, name) is not None:
             params[name] = getattr(args, name)

@@ -1,4 +1,4 @@
-"""Capacity tiers against their contract, each on its real medium (memory, files, a Redis server)."""
+"""Capacity tiers against their contract, each on its real medium (memory, files, a Redis server, a Redis Cluster)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from lmcache_vericache.backends.tiers import DiskTier, MemoryTier, TierError
 from lmcache_vericache.backends.tiers.lm import LMServerTier
 from lmcache_vericache.backends.tiers.memory import LRU
 from lmcache_vericache.backends.tiers.redis import RedisTier
+from lmcache_vericache.backends.tiers.redis_cluster import RedisClusterTier
 
 
-@pytest.fixture(params=["memory", "disk", "nixl", "redis", "lm"])
+@pytest.fixture(params=["memory", "disk", "nixl", "redis", "redis_cluster", "lm"])
 def tier(request, tmp_path):
     if request.param == "memory":
         t = MemoryTier(8 << 20)
@@ -22,6 +23,8 @@ def tier(request, tmp_path):
         t = DiskTier(tmp_path / "tier") if request.param == "disk" else request.getfixturevalue("nixl_tier_cls")(tmp_path / "tier")
     elif request.param == "redis":
         t = RedisTier(request.getfixturevalue("redis_server").url, prefix=f"t-{uuid.uuid4().hex}:")
+    elif request.param == "redis_cluster":
+        t = RedisClusterTier(request.getfixturevalue("shared_redis_cluster").url, prefix=f"t-{uuid.uuid4().hex}:")
     else:
         t = LMServerTier(request.getfixturevalue("lm_server").url, namespace=f"t-{uuid.uuid4().hex}")
     yield t

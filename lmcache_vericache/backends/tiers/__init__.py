@@ -1,7 +1,8 @@
 """Capacity tiers: one file per medium, all behind :class:`CapacityTier`.
 
-``RedisTier`` is imported lazily (``from .redis import RedisTier``) so the package does not need
-the redis client unless a Redis tier is configured.
+``RedisTier`` and ``RedisClusterTier`` are imported lazily (``from .redis import RedisTier``,
+``from .redis_cluster import RedisClusterTier``) so the package does not need the redis client
+unless a Redis tier is configured.
 """
 
 from .base import Blob, CapacityTier, TierError
