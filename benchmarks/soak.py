@@ -85,57 +85,61 @@ class Redis:
     """The shared store's servers, and the fault injector's handle on them."""
 
     def __init__(self, tier: str) -> None:
+        import shutil
+
         import redis
 
         from lmcache_vericache.testing import servers
 
-        self.tier, self.prefix = tier, "soak:"
+        self.tier, self.prefix, self._redis = tier, "soak:", redis
         if tier == "redis":
             self.server = servers.RedisServer(servers.server_binary())
-            self.nodes = {self.server.url: self.server}
             self.config = {"capacity": "redis", "redis_url": self.server.url, "redis_prefix": self.prefix}
         else:
-            self.server = servers.RedisCluster()
-            self.nodes = {n.url: n for n in self.server.masters()}
-            self.config = {"capacity": "redis_cluster", "redis_url": self.server.url, "redis_prefix": self.prefix}
-        self._redis = redis
+            self.server = servers.RedisClusterProcesses(servers.server_binary(), shutil.which("redis-cli"))
+            self.config = {"capacity": "redis_cluster", "redis_cluster_urls": self.server.url,
+                           "redis_prefix": self.prefix}
 
-    def client(self, url: str):
-        return self._redis.Redis.from_url(url, socket_timeout=2)
+    def clients(self) -> list:
+        """A plain client of each master (of the one server)."""
+        if self.tier == "redis":
+            return [self._redis.Redis.from_url(self.server.url, socket_timeout=2)]
+        return [self.server.client(p) for p in self.server.masters() if self.server.alive(p)]
 
     def kill_and_restart(self, log) -> None:
-        url = random.choice(sorted(self.nodes))
-        log("kill", url)
-        self.server.kill(url) if self.tier == "redis_cluster" else self.server.kill()
-        time.sleep(4)
-        self.server.restart(url) if self.tier == "redis_cluster" else self._restart_single()
+        if self.tier == "redis":
+            log("kill", self.server.url)
+            self.server.kill()
+            time.sleep(4)
+            from lmcache_vericache.testing import servers
 
-    def _restart_single(self) -> None:
-        from lmcache_vericache.testing import servers
-
-        port = int(self.server.url.rsplit(":", 1)[1].split("/")[0])
-        self.server = servers.RedisServer(servers.server_binary(), port=port)
-        self.nodes = {self.server.url: self.server}
+            port = int(self.server.url.rsplit(":", 1)[1].split("/")[0])
+            self.server = servers.RedisServer(servers.server_binary(), port=port)
+            return
+        port = random.choice([p for p in self.server.masters() if self.server.alive(p)])
+        log("kill", f"master 127.0.0.1:{port}")
+        self.server.kill(port)
+        time.sleep(4)  # its replica takes over after cluster-node-timeout (1 s)
+        self.server.restart(port)  # rejoins as a replica, empty
 
     def corrupt(self, log, n: int = 3) -> int:
         done = 0
-        for url in self.nodes:
+        for c in self.clients():
             try:
-                c = self.client(url)
-                keys = [k for k in c.scan_iter(match=self.prefix + "*/full", count=1000)]
-            except Exception:
-                continue
-            for key in random.sample(keys, min(n - done, len(keys))):
-                value = bytearray(c.get(key) or b"")
-                if len(value) > 64:
-                    value[len(value) // 2] ^= 0x10
-                    c.set(key, bytes(value))
-                    done += 1
+                keys = list(c.scan_iter(match=self.prefix + "*/full", count=1000))
+                for key in random.sample(keys, min(n - done, len(keys))):
+                    value = bytearray(c.get(key) or b"")
+                    if len(value) > 64:
+                        value[len(value) // 2] ^= 0x10
+                        c.set(key, bytes(value))
+                        done += 1
+            except Exception as e:  # a node mid-failover
+                print(f"corrupt: {e}", file=sys.stderr)
         log("corrupt", done)
         return done
 
     def fill(self, log, seconds: float = 6.0) -> None:
-        clients = [self.client(u) for u in self.nodes]
+        clients = self.clients()
         log("full", len(clients))
         for c in clients:
             c.config_set("maxmemory-policy", "noeviction")
