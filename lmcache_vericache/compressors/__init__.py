@@ -6,6 +6,8 @@
 >>> c = compressors.get("kivi", bits=2)
 >>> ckv = c.compress(kv, num_kv_heads=3)  # kv: [2, L, T, H*D]
 >>> layers = c.decompress(ckv)            # per layer: keys, values, positions
+>>> ckv = compressors.from_bytes(blob)    # untrusted bytes: framing and digest checked ...
+>>> compressors.validate(ckv)             # ... and meaning (CodecError otherwise; see codec.py)
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import importlib
 from typing import Any
 
 from .base import CompressedKV, CompressionContext, KVCompressor, KVQuantizer, LayerKV, TokenEvictor
-from .codec import CodecError, from_bytes, to_bytes
+from .codec import CodecError, from_bytes, to_bytes, validate
 
 _REGISTRY: dict[str, type[KVCompressor]] = {}
 
@@ -85,7 +87,7 @@ def get(name: str, **params: Any) -> KVCompressor:
 
 
 def decompress(ckv: CompressedKV) -> list[LayerKV]:
-    """Reconstruct a chunk with the method recorded in it."""
+    """Reconstruct a chunk with the method recorded in it (untrusted chunks: ``validate`` first)."""
     return get(ckv.method, **ckv.params).decompress(ckv)
 
 
@@ -104,4 +106,5 @@ __all__ = [
     "get",
     "register",
     "to_bytes",
+    "validate",
 ]

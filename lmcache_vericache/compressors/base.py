@@ -22,7 +22,12 @@ diagnostics can use them.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import re
+import threading
 from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -110,6 +115,53 @@ class CompressedKV:
         prefix = f"L{layer}."
         return {k[len(prefix):]: v for k, v in self.buffers.items() if k.startswith(prefix)}
 
+    def buffers_by_layer(self, strict: bool = False) -> list[dict[str, Tensor]]:
+        """``layer_buffers`` of every layer in one pass over the buffers. Names that are not
+        ``L{layer}.{name}`` with ``layer < num_layers`` are skipped, or with ``strict`` raise
+        ``ValueError``."""
+        out: list[dict[str, Tensor]] = [{} for _ in range(self.num_layers)]
+        for key, buf in self.buffers.items():
+            m = _BUFFER_NAME.fullmatch(key) if isinstance(key, str) else None
+            if m is not None and int(m[1]) < self.num_layers:
+                out[int(m[1])][m[2]] = buf
+            elif strict:
+                raise ValueError(f"unexpected buffer {key!r} (not L{{layer}}.{{name}} with layer < {self.num_layers})")
+        return out
+
+
+_BUFFER_NAME = re.compile(r"L(0|[1-9][0-9]{0,8})\.(.+)", re.DOTALL)
+
+
+class _Cache:
+    """A small thread-safe LRU memo (outcomes, errors included) of derived layouts: keys come from
+    untrusted headers, so it is bounded, and a header that fails is not re-derived each time."""
+
+    def __init__(self, size: int) -> None:
+        self._size, self._data, self._lock = size, OrderedDict(), threading.Lock()
+
+    def get(self, key: Any, compute: Callable[[], Any]) -> Any:
+        with self._lock:
+            hit = self._data.get(key)
+            if hit is not None:
+                self._data.move_to_end(key)
+        if hit is None:
+            try:
+                hit = (True, compute())
+            except Exception as e:  # derived from the header: the same header fails the same way
+                hit = (False, f"{type(e).__name__}: {e}")
+            with self._lock:
+                self._data[key] = hit
+                while len(self._data) > self._size:
+                    self._data.popitem(last=False)
+        ok, value = hit
+        if not ok:
+            raise ValueError(value)
+        return value
+
+
+_LAYOUTS = _Cache(1024)
+Layout = dict[str, tuple[torch.dtype, tuple[int, ...]]]
+
 
 class _Validated:
     """Dataclass mix-in: ``validate()`` runs after ``__init__`` and raises ``ValueError``."""
@@ -135,6 +187,34 @@ class TokenEvictor(_Validated, ABC):
     @abstractmethod
     def select(self, kv: Tensor, ctx: CompressionContext) -> list[Tensor]: ...
 
+    # -- validation of untrusted chunks (see KVCompressor.check) ------------------------------
+    def kept_counts(self, shape: tuple[int, int, int, int], num_kv_heads: int) -> list[int] | None:
+        """Tokens kept per layer in a chunk of ``shape`` ``[2, L, T, H*D]``, or ``None`` where the
+        count depends on the data (each layer then keeps 1..T tokens).
+
+        Default: ``select`` on stand-ins that cost no memory (an all-zero chunk and all-zero
+        ``scores``, start 0). Right for every method whose counts follow from the shape alone;
+        override where they depend on the values or the start (a wrong count fails closed:
+        the method's own chunks would be rejected)."""
+        n_layers, n_tokens = shape[1], shape[2]
+        kv = torch.zeros((), dtype=torch.float32).expand(*shape)
+        scores = torch.zeros((), dtype=torch.float32).expand(n_layers, num_kv_heads, n_tokens)
+        keep = self.select(kv, CompressionContext(num_kv_heads, 0, None, scores))
+        if len(keep) != n_layers or any(k.dim() != 2 or k.shape[0] != num_kv_heads for k in keep):
+            raise ValueError(f"select gave no [H, n] per layer for shape {tuple(shape)}")
+        return [int(k.shape[1]) for k in keep]
+
+    def check_positions(self, pos: Tensor, n_tokens: int) -> None:
+        """Raise ``ValueError`` unless ``pos`` (int32 ``[H, n]``) could come from ``select``:
+        chunk-relative positions in ``[0, n_tokens)``, strictly ascending per head."""
+        if pos.numel() == 0:
+            return
+        lo, hi = torch.aminmax(pos)
+        if int(lo) < 0 or int(hi) >= n_tokens:
+            raise ValueError(f"kept positions span [{int(lo)}, {int(hi)}], outside the chunk's [0, {n_tokens})")
+        if pos.shape[1] > 1 and not bool((pos[:, 1:] > pos[:, :-1]).all()):
+            raise ValueError("kept positions are not strictly ascending per head")
+
 
 class KVQuantizer(_Validated, ABC):
     """Encodes the keys and values of one layer (``[H, n, D]`` each) into named buffers.
@@ -150,6 +230,25 @@ class KVQuantizer(_Validated, ABC):
     def decode(
         self, buffers: dict[str, Tensor], shape: tuple[int, int, int], dtype: torch.dtype
     ) -> tuple[Tensor, Tensor]: ...
+
+    # -- validation of untrusted chunks (see KVCompressor.check) ------------------------------
+    # Buffers (scales, minima, norms) that multiply or offset codes: they must be finite.
+    finite_buffers: ClassVar[tuple[str, ...]] = ()
+
+    def layout(self, shape: tuple[int, int, int], dtype: torch.dtype) -> Layout:
+        """Name -> (dtype, shape) of what ``encode`` returns for keys/values of ``shape``
+        ``[H, n, D]`` and ``dtype``. Default: encodes zeros (``check`` caches the result); override
+        where the layout depends on the values."""
+        z = torch.zeros(shape, dtype=dtype)
+        return {name: (b.dtype, tuple(b.shape)) for name, b in self.encode(z, z).items()}
+
+    def check_layer(self, buffers: dict[str, Tensor], shape: tuple[int, int, int]) -> None:
+        """Raise ``ValueError`` unless ``decode`` may read one layer's ``buffers`` (their names,
+        dtypes and shapes already match ``layout``). Default: ``finite_buffers`` are finite."""
+        for name in self.finite_buffers:
+            b = buffers[name]
+            if b.is_floating_point() and b.numel() and not bool(torch.isfinite(b).all()):
+                raise ValueError(f"buffer {name!r} holds non-finite values")
 
 
 class KVCompressor(_Validated):
@@ -216,12 +315,12 @@ class KVCompressor(_Validated):
         )
 
     def decompress(self, ckv: CompressedKV) -> list[LayerKV]:
-        """Reconstruct, per layer, the kept K/V (dequantized) with absolute positions."""
+        """Reconstruct, per layer, the kept K/V (dequantized) with absolute positions. A chunk from
+        untrusted bytes must pass ``codec.validate`` first."""
         quantizer = self.quantizer()
         heads, head_dim = ckv.num_kv_heads, ckv.head_dim
         out = []
-        for layer in range(ckv.num_layers):
-            parts = ckv.layer_buffers(layer)
+        for parts in ckv.buffers_by_layer():
             pos = parts.pop("pos", None)
             if pos is None:
                 pos = torch.arange(ckv.num_tokens).expand(heads, -1)
@@ -232,6 +331,55 @@ class KVCompressor(_Validated):
                 k, v = parts["k"], parts["v"]
             out.append(LayerKV(k, v, pos.to(torch.int64) + ckv.start))
         return out
+
+    def check(self, ckv: CompressedKV) -> None:
+        """Raise ``ValueError`` unless ``ckv`` holds exactly what ``compress`` writes for its
+        header, with values ``decompress`` can use. ``codec.validate`` calls it on untrusted chunks
+        after checking the header fields and size caps (so ``shape``, ``num_kv_heads``, ``dtype``
+        and ``start`` are sane ints/dtypes and ``method``/``params`` built this compressor).
+
+        Default, per layer: buffer names, dtypes and shapes equal the layout this method writes
+        (the evictor's ``kept_counts`` and ``check_positions`` for ``pos``, the quantizer's
+        ``layout`` and ``check_layer`` for the rest; derived layouts are cached per method,
+        parameters, shape and dtype). Methods override it, or those hooks, to add rules."""
+        _, n_layers, n_tokens, hidden = ckv.shape
+        heads, dtype = ckv.num_kv_heads, ckv.dtype
+        head_dim = hidden // heads
+        evictor, quantizer = self.evictor(), self.quantizer()
+        layers = ckv.buffers_by_layer(strict=True)
+        counts = None
+        if evictor is not None:
+            shape = tuple(ckv.shape)
+            counts = _LAYOUTS.get(("kept", repr(evictor), shape, heads),
+                                  functools.partial(evictor.kept_counts, shape, heads))
+        for layer, parts in enumerate(layers):
+            n = n_tokens
+            if evictor is not None:
+                pos = parts.pop("pos", None)
+                if pos is None or pos.dtype != torch.int32 or pos.dim() != 2 or pos.shape[0] != heads:
+                    got = None if pos is None else f"{pos.dtype} {tuple(pos.shape)}"
+                    raise ValueError(f"layer {layer}: positions must be int32 [{heads}, n], got {got}")
+                n = pos.shape[1]
+                if counts is not None and n != counts[layer]:
+                    raise ValueError(f"layer {layer}: {n} kept tokens where the method keeps {counts[layer]}")
+                if counts is None and not 1 <= n <= n_tokens:
+                    raise ValueError(f"layer {layer}: {n} kept tokens, not within 1..{n_tokens}")
+                evictor.check_positions(pos, n_tokens)
+            layer_shape = (heads, n, head_dim)
+            if quantizer is not None:
+                expected = _LAYOUTS.get(("layout", repr(quantizer), layer_shape, dtype),
+                                        functools.partial(quantizer.layout, layer_shape, dtype))
+            else:
+                expected = {"k": (dtype, layer_shape), "v": (dtype, layer_shape)}
+            if parts.keys() != expected.keys():
+                raise ValueError(f"layer {layer}: buffers {sorted(parts)}, the method writes {sorted(expected)}")
+            for name, (want_dtype, want_shape) in expected.items():
+                b = parts[name]
+                if b.dtype != want_dtype or tuple(b.shape) != want_shape:
+                    raise ValueError(f"buffer L{layer}.{name}: {b.dtype} {tuple(b.shape)}, "
+                                     f"the method writes {want_dtype} {want_shape}")
+            if quantizer is not None:
+                quantizer.check_layer(parts, layer_shape)
 
 
 # -- helpers shared by methods ------------------------------------------------------------------

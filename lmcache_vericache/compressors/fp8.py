@@ -50,6 +50,7 @@ class FP8(KVCompressor, KVQuantizer):
     format: str = "e4m3"  # "e4m3" (float8_e4m3fn) or "e5m2" (float8_e5m2)
 
     examples = ({}, {"format": "e5m2"})
+    finite_buffers = ("ks", "vs")  # codes need no check: any byte indexes the 256-entry table
 
     def validate(self) -> None:
         check_choice("format", self.format, tuple(_FORMATS))

@@ -24,6 +24,7 @@ class Int4(KVCompressor, KVQuantizer):
     group_size: int = 32  # channels per (min, scale) group; the whole head when larger than head_dim
 
     examples = ({}, {"group_size": 64})
+    finite_buffers = ("kmin", "kscale", "vmin", "vscale")
 
     def validate(self) -> None:
         if not isinstance(self.group_size, int) or self.group_size < 1:

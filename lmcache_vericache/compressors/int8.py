@@ -25,6 +25,7 @@ def _quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @dataclass
 class Int8(KVCompressor, KVQuantizer):
     name = "int8"
+    finite_buffers = ("ks", "vs")
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
         kq, ks = _quant(keys)

@@ -33,6 +33,7 @@ class KIVI(KVCompressor, KVQuantizer):
     residual: int = 32  # newest tokens of the chunk kept in full precision
 
     examples = ({"bits": 2}, {"bits": 4}, {"bits": 2, "residual": 0, "group_size": 16})
+    finite_buffers = ("kmin", "kscale", "vmin", "vscale")
 
     def validate(self) -> None:
         check_choice("bits", self.bits, (2, 4))

@@ -81,6 +81,14 @@ class PoissonComp(KVCompressor, TokenEvictor):
         target = k - int(hard.sum())
         return inclusion_probabilities(tau.masked_fill(hard, 0.0), target).masked_fill(hard, 1.0)
 
+    def kept_counts(self, shape, num_kv_heads):
+        return None  # a Poisson sample: each layer keeps 1..T tokens
+
+    def check_positions(self, pos: torch.Tensor, n_tokens: int) -> None:
+        super().check_positions(pos, n_tokens)
+        if pos.shape[0] > 1 and not bool((pos == pos[:1]).all()):
+            raise ValueError("poissoncomp keeps the same tokens in every head of a layer; these differ")
+
     def select(self, kv: torch.Tensor, ctx: CompressionContext) -> list[torch.Tensor]:
         r = self.probabilities(kv, ctx)
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + ctx.start)

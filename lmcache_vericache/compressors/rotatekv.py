@@ -18,7 +18,7 @@ quantizer sees no absolute positions; the engine keeps the newest tokens at full
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
+from functools import lru_cache
 
 import torch
 
@@ -26,11 +26,15 @@ from . import register
 from .base import KVCompressor, KVQuantizer, check_choice
 from .packing import decode_per_token, encode_per_token
 
+MAX_DIM = 1024  # largest head_dim: the rotation is a dim x dim matrix
 
-@cache
+
+@lru_cache(maxsize=16)  # bounded: dim comes from chunk headers
 def hadamard(dim: int) -> torch.Tensor:
     """Normalized (orthogonal, symmetric) Walsh-Hadamard matrix ``[dim, dim]``, block-diagonal with
-    the largest power-of-two block that divides ``dim``."""
+    the largest power-of-two block that divides ``dim``; ``dim <= MAX_DIM``."""
+    if dim > MAX_DIM:
+        raise ValueError(f"RotateKV needs head_dim <= {MAX_DIM}, got {dim}")
     block = dim & -dim  # largest power of two dividing dim
     if block < 2:
         raise ValueError(f"RotateKV needs an even head_dim for a Hadamard rotation, got {dim}")
@@ -49,6 +53,7 @@ class RotateKV(KVCompressor, KVQuantizer):
     group_size: int = 32  # channels per (min, scale) group
 
     examples = ({"bits": 2}, {"bits": 4})
+    finite_buffers = ("kmin", "kscale", "vmin", "vscale")
 
     def validate(self) -> None:
         check_choice("bits", self.bits, (2, 4))

@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, lru_cache
 
 import torch
 
 from . import register
 from .base import KVCompressor, KVQuantizer
-from .packing import pack, unpack
+from .packing import pack, packed_nbytes, unpack
 
 BITS = (2, 3, 4)
+MAX_DIM = 1024  # largest head_dim: the rotation is a dim x dim matrix (QR costs dim^3)
 
 
 @cache
@@ -49,15 +50,17 @@ def lloyd_max(bits: int) -> torch.Tensor:
     return torch.tensor(c, dtype=torch.float64)
 
 
-@cache
+@lru_cache(maxsize=32)  # bounded: dim and seed come from chunk headers
 def rotation(dim: int, seed: int) -> torch.Tensor:
-    """Seeded Haar-random orthogonal ``[dim, dim]`` matrix (float32)."""
+    """Seeded Haar-random orthogonal ``[dim, dim]`` matrix (float32), ``1 <= dim <= MAX_DIM``."""
+    if not 1 <= dim <= MAX_DIM:
+        raise ValueError(f"TurboQuant needs 1 <= head_dim <= {MAX_DIM}, got {dim}")
     g = torch.Generator().manual_seed(seed)
     q, r = torch.linalg.qr(torch.randn(dim, dim, generator=g, dtype=torch.float64))
     return (q * torch.sign(torch.diagonal(r))).float().contiguous()
 
 
-@cache
+@lru_cache(maxsize=64)
 def _codebook(bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Centroids for ``N(0, 1/dim)`` (float32) and the encoding table: the code of every fp16 value,
     indexed by its 16-bit pattern read as unsigned."""
@@ -98,20 +101,36 @@ class TurboQuant(KVCompressor, KVQuantizer):
     seed: int = 0  # of the rotation; encoder and decoder must agree
 
     examples = ({"bits": 2}, {"bits": 3}, {"bits": 4}, {"k_bits": 4, "v_bits": 2})
+    # Codes need no range check: unpacked codes are masked to their bit width, so they index
+    # inside the 2^bits-entry codebook.
+    finite_buffers = ("knorm", "vnorm")
 
     def validate(self) -> None:
         for name in ("bits", "k_bits", "v_bits"):
             value = getattr(self, name)
-            if value is not None and value not in BITS:
+            if value is not None and not (type(value) is int and value in BITS):
                 raise ValueError(f"{name} must be one of {BITS}, got {value!r}")
         if self.bits is None:
             raise ValueError("bits must be one of (2, 3, 4), got None")
-        if not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
+        # values use seed + 1, and a torch seed is at most 2^64 - 1
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**64 - 1:
+            raise ValueError(f"seed must be an int in [0, 2^64 - 1), got {self.seed!r}")
 
     @property
     def kv_bits(self) -> tuple[int, int]:
         return self.k_bits or self.bits, self.v_bits or self.bits
+
+    def layout(self, shape, dtype):
+        # Computed, not encoded: encoding builds the dim x dim rotation (a QR), which validating an
+        # untrusted header should not cost. test_fuzz checks it against encode.
+        h, n, d = shape
+        if not 1 <= d <= MAX_DIM:
+            raise ValueError(f"TurboQuant needs 1 <= head_dim <= {MAX_DIM}, got {d}")
+        out = {}
+        for p, bits in zip("kv", self.kv_bits):
+            out[f"{p}q"] = (torch.uint8, (packed_nbytes(h * n * d, bits),))
+            out[f"{p}norm"] = (torch.float16, (h, n, 1))
+        return out
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
         kb, vb = self.kv_bits
