@@ -332,12 +332,10 @@ class DualTierStore:
             raise InvalidChunkError(
                 f"chunk is {ckv.method} {ckv.params} with {ckv.num_kv_heads} heads; the store uses "
                 f"{ours.name} {ours.params()} with {self.num_kv_heads}")
-        validate = getattr(compressors, "validate", None)
-        if validate is not None:
-            try:
-                validate(ckv)
-            except CodecError as e:
-                raise InvalidChunkError(str(e)) from None
+        try:
+            compressors.validate(ckv)
+        except CodecError as e:
+            raise InvalidChunkError(str(e)) from None
 
     def _check_full(self, t: Tensor) -> None:
         if t.dim() != 4 or t.shape[0] != 2 or t.shape[3] % self.num_kv_heads or not t.is_floating_point():

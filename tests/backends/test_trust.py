@@ -128,3 +128,20 @@ def test_wait_after_close_returns_misses():
     closer.join()
     assert time.monotonic() - t0 < 5
     assert out.count(None) >= 4 and all(o is None or torch.equal(o, chunk(0)) for o in out)
+
+
+def test_header_edited_compressed_chunk_with_a_valid_digest_is_an_invalid_miss(tier_factory):
+    """Another host writes a chunk whose frame and digest are right but whose header lies (a kept
+    position past the chunk): the store counts it invalid, deletes it, and drafting never sees it."""
+    from lmcache_vericache.compressors import codec
+
+    with DualTierStore(compressors.get("streamingllm", keep_ratio=0.5), tier_factory(), num_kv_heads=HEADS) as store:
+        store.put("k", chunk(0))
+        store._hot.clear()
+        header, payload = codec.unframe(store.capacity.get("k" + COMPRESSED_SUFFIX))
+        header["shape"] = [2, 2, 2**27, HEADS * 8]  # 2^27 tokens declared
+        store.capacity.put("k" + COMPRESSED_SUFFIX, codec.frame(header, payload))
+        t0 = time.monotonic()
+        assert store.get_compressed("k") is None and store.stats.invalid == 1
+        assert time.monotonic() - t0 < 1.0 and not store.capacity.contains("k" + COMPRESSED_SUFFIX)
+        assert torch.equal(store.get_full("k"), chunk(0))  # the full chunk is unaffected
