@@ -48,6 +48,7 @@ class StoreConfig:
     # live one is enough; list several so a restart finds one). redis_prefix applies to it too.
     redis_cluster_urls: str | None = None
     redis_prefix: str = "vericache:"
+    redis_timeout_s: float = 5.0  # socket timeout of the redis / redis_cluster tiers
     lm_url: str | None = None  # LMCache server, lm://host:port
     lm_namespace: str = "vericache"
     memory_bytes: int = 4 << 30  # bound of the capacity tier when capacity == "memory"
@@ -145,11 +146,12 @@ class StoreConfig:
         if self.capacity == "redis":
             from .tiers.redis import RedisTier
 
-            return RedisTier(self.redis_url, prefix=self.redis_prefix)  # type: ignore[arg-type]
+            return RedisTier(self.redis_url, prefix=self.redis_prefix, socket_timeout=self.redis_timeout_s)  # type: ignore[arg-type]
         if self.capacity == "redis_cluster":
             from .tiers.redis_cluster import RedisClusterTier
 
-            return RedisClusterTier(self.redis_cluster_urls, prefix=self.redis_prefix)  # type: ignore[arg-type]
+            return RedisClusterTier(self.redis_cluster_urls, prefix=self.redis_prefix,
+                                    socket_timeout=self.redis_timeout_s)  # type: ignore[arg-type]
         if self.capacity == "lm":
             from .tiers.lm import LMServerTier
 

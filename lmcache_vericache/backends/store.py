@@ -267,14 +267,14 @@ class DualTierStore:
     def _put(self, key: str, full: Tensor, start: int, queries: Tensor | None, compress: bool) -> None:
         full_blob = encode_full(full)
         if not compress:
-            self._put_or_raise(key + self._full_sfx, full_blob, key)
+            self._put_or_raise([(key + self._full_sfx, full_blob)], key)
             self._rejected.pop(key)
             self._count(puts=1, bytes_written=len(full_blob))
             return
         ckv_blob = to_bytes(self.compressor.compress(full, self.num_kv_heads, start=start, queries=queries))
-        self._put_or_raise(key + self._full_sfx, full_blob, key)
+        # One round trip on remote tiers; the compressed value (the commit marker) goes second.
         try:
-            self._put_or_raise(key + self._ckv_sfx, ckv_blob, key)
+            self._put_or_raise([(key + self._full_sfx, full_blob), (key + self._ckv_sfx, ckv_blob)], key)
         except TierError:
             self.capacity.delete(key + self._full_sfx)  # all or nothing: no full chunk without its commit
             raise
@@ -283,9 +283,11 @@ class DualTierStore:
         self._rejected.pop(key)
         self._count(puts=1, bytes_written=len(full_blob) + len(ckv_blob))
 
-    def _put_or_raise(self, tier_key: str, blob: bytes, key: str) -> None:
+    def _put_or_raise(self, items: list[tuple[str, bytes]], key: str) -> None:
+        if self._mac_key is not None:
+            items = [(k, blob + self._tag(k, blob)) for k, blob in items]
         try:
-            self.capacity.put(tier_key, blob if self._mac_key is None else blob + self._tag(tier_key, blob))
+            self.capacity.put_many(items)
         except TierError as e:
             self._count(put_errors=1)
             logger.error("store put %r failed: %s", key, e)

@@ -145,3 +145,31 @@ def test_header_edited_compressed_chunk_with_a_valid_digest_is_an_invalid_miss(t
         assert store.get_compressed("k") is None and store.stats.invalid == 1
         assert time.monotonic() - t0 < 1.0 and not store.capacity.contains("k" + COMPRESSED_SUFFIX)
         assert torch.equal(store.get_full("k"), chunk(0))  # the full chunk is unaffected
+
+
+def test_full_redis_server_fails_puts_whole_and_keeps_what_was_stored(redis_server):
+    """A put is one pipelined round trip of full + compressed value; a server out of memory fails it
+    with TierError, leaves no half-stored chunk, and every earlier chunk stays readable."""
+    import redis as redis_py
+
+    from lmcache_vericache.backends import TierError
+    from lmcache_vericache.backends.store import FULL_SUFFIX
+
+    prefix = f"full-{uuid.uuid4().hex}:"
+    cfg = {"num_kv_heads": HEADS, "capacity": "redis", "redis_url": redis_server.url, "redis_prefix": prefix,
+           "redis_timeout_s": 2.0}
+    admin = redis_py.Redis.from_url(redis_server.url)
+    with StoreConfig.parse(cfg).build() as store:
+        store.put("before", chunk(0))
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.config_set("maxmemory", int(admin.info("memory")["used_memory"]))
+        try:
+            with pytest.raises(TierError, match="OOM|maxmemory"):
+                store.put("after", chunk(1))
+        finally:
+            admin.config_set("maxmemory", 0)
+        assert not store.capacity.contains("after" + FULL_SUFFIX)
+        assert not store.capacity.contains("after" + COMPRESSED_SUFFIX)
+        assert torch.equal(store.get_full("before"), chunk(0)) and store.stats.put_errors == 1
+        store.put("after", chunk(1))  # room again: stored
+        assert torch.equal(store.get_full("after"), chunk(1))

@@ -42,6 +42,12 @@ class CapacityTier(ABC):
     @abstractmethod
     def put(self, key: str, data: Blob) -> None: ...
 
+    def put_many(self, items: list[tuple[str, Blob]]) -> None:
+        """Store several values in order (a remote tier sends them in one round trip). Raises
+        :class:`TierError` if any failed; values before the failed one may be stored."""
+        for key, data in items:
+            self.put(key, data)
+
     @abstractmethod
     def get(self, key: str) -> Blob | None: ...
 

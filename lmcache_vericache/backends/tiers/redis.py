@@ -80,6 +80,20 @@ class RedisTier(CapacityTier):
                 f"redis tier {self._shown}: SET {key!r} ({len(data)} bytes) failed: {scrub(e, self.url)}"
             ) from e
 
+    def put_many(self, items: list[tuple[str, Blob]]) -> None:
+        """One round trip (a non-transactional pipeline: the server applies the SETs in order)."""
+        if self._closed:
+            raise TierError(f"redis tier {self._shown}: put after close")
+        keys = [self._key(k) for k, _ in items]
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for k, (_, data) in zip(keys, items):
+                pipe.set(k, data)
+            pipe.execute()
+        except (redis_py.RedisError, OSError) as e:
+            raise TierError(f"redis tier {self._shown}: SET of {[k for k, _ in items]} failed: "
+                            f"{scrub(e, self.url)}") from e
+
     def get(self, key: str) -> bytes | None:
         k = self._key(key)
         if self._closed:
