@@ -1,8 +1,8 @@
 """Soak test of a shared store under faults: wrong tokens must stay 0 and every fault be counted.
 
 Two worker processes each decode batches of 8 requests in a loop, sharing one Redis store (a
-single server or a Redis Cluster), with prompts drawn from a small pool so that every chunk is
-stored once and then read again and again. Each output is compared, token for token, with plain
+single server or a Redis Cluster). 6 prompts of each batch come from a small pool, so their chunks
+are stored once and then read again and again; 2 are new, so new chunks are written all along. Each output is compared, token for token, with plain
 full-KV decoding of the same prompt. Meanwhile a fault injector cycles through:
 
 * ``kill``: SIGKILL a server (for a cluster: a master), restart it a few seconds later;
@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CHUNK, PROMPT_TOKENS, NEW_TOKENS, BATCH, POOL = 64, 320, 24, 8, 12
+CHUNK, PROMPT_TOKENS, NEW_TOKENS, BATCH, POOL, FRESH = 64, 320, 24, 8, 12, 2
 
 
 def prompts(seed: int = 0) -> list[list[int]]:
@@ -53,26 +53,36 @@ def worker(wid: int, store: dict, deadline: float, out: mp.Queue) -> None:
     torch.set_num_threads(1)
     model = tiny_llama(seed=0)
     pool = prompts()
-    with VeriCacheEngine(model, "int8", chunk_size=CHUNK, store="resident") as ref:
-        expected = [r.tokens for r in ref.reference(pool, NEW_TOKENS)]
+    ref = VeriCacheEngine(model, "int8", chunk_size=CHUNK, store="resident")
+    expected = [r.tokens for r in ref.reference(pool, NEW_TOKENS)]
     rng = random.Random(wid)
+    gen = torch.Generator().manual_seed(1000 + wid)
     totals = {"requests": 0, "tokens": 0, "wrong_tokens": 0, "recomputed_chunks": 0, "cached_chunks": 0,
               "errors": 0}
     rss, t0 = [], time.time()
     with VeriCacheEngine(model, "int8", chunk_size=CHUNK, draft_len=8, store=store) as eng:
+        # The pool's chunks are the ones read again and again: the injector corrupts those.
+        out.put(("keys", wid, time.time(), sorted({k for p in pool for k in eng.chunk_keys(p)}), {}))
         while time.time() < deadline:
-            pick = [rng.randrange(POOL) for _ in range(BATCH)]
+            # Mostly prompts from the pool (their chunks are read again and again), plus FRESH new
+            # prompts each batch (new chunks are written all along).
+            batch = [pool[rng.randrange(POOL)] for _ in range(BATCH - FRESH)]
+            # (a prompt whose leading chunks are cached does not store its tail: see README)
+            batch += [torch.randint(0, 256, (PROMPT_TOKENS,), generator=gen).tolist() for _ in range(FRESH)]
+            want = [expected[pool.index(p)] if p in pool else None for p in batch]
+            fresh = [i for i, w in enumerate(want) if w is None]
+            for i, r in zip(fresh, ref.reference([batch[i] for i in fresh], NEW_TOKENS)):
+                want[i] = r.tokens
             try:
-                results = eng.generate([pool[i] for i in pick], NEW_TOKENS)
+                results = eng.generate(batch, NEW_TOKENS)
             except Exception as e:  # never expected: a fault must cost speed, not an exception
                 totals["errors"] += 1
                 print(f"worker {wid}: generate raised {type(e).__name__}: {e}", file=sys.stderr)
                 continue
-            for i, res in zip(pick, results):
+            for w, res in zip(want, results):
                 totals["requests"] += 1
-                totals["tokens"] += len(expected[i])
-                totals["wrong_tokens"] += sum(a != b for a, b in zip(res.tokens, expected[i]))
-                totals["wrong_tokens"] += abs(len(res.tokens) - len(expected[i]))
+                totals["tokens"] += len(w)
+                totals["wrong_tokens"] += sum(a != b for a, b in zip(res.tokens, w)) + abs(len(res.tokens) - len(w))
                 totals["recomputed_chunks"] += res.stats.recomputed_chunks
                 totals["cached_chunks"] += res.stats.cached_chunks
             rss.append((round(time.time() - t0, 1), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024))
@@ -122,11 +132,13 @@ class Redis:
         time.sleep(4)  # its replica takes over after cluster-node-timeout (1 s)
         self.server.restart(port)  # rejoins as a replica, empty
 
-    def corrupt(self, log, n: int = 3) -> int:
+    def corrupt(self, log, targets: set[str], n: int = 3) -> int:
+        """Flip a byte in ``n`` stored full chunks among ``targets`` (store keys)."""
         done = 0
         for c in self.clients():
             try:
-                keys = list(c.scan_iter(match=self.prefix + "*/full", count=1000))
+                keys = [k for k in c.scan_iter(match=self.prefix + "*/full", count=1000)
+                        if k.decode().removeprefix(self.prefix).strip("{").split("}")[0].split("/")[0] in targets]
                 for key in random.sample(keys, min(n - done, len(keys))):
                     value = bytearray(c.get(key) or b"")
                     if len(value) > 64:
@@ -187,18 +199,25 @@ def main() -> None:
     for p in procs:
         p.start()
     latest: dict[int, tuple] = {}
+    targets: set[str] = set()
     done: dict[int, tuple] = {}
     next_fault, cycle = time.time() + args.fault_every, ["kill", "corrupt", "full"]
     try:
         while len(done) < len(procs):
             while not queue.empty():
                 kind, wid, t, totals, stats = queue.get()
-                (done if kind == "done" else latest)[wid] = (totals, stats)
+                if kind == "keys":
+                    targets.update(totals)
+                else:
+                    (done if kind == "done" else latest)[wid] = (totals, stats)
             if len(latest) < len(procs):  # faults start once every worker is decoding
                 next_fault = time.time() + args.fault_every
             elif time.time() >= next_fault and time.time() < deadline - 10:
                 action = cycle[len(faults) % len(cycle)]
-                {"kill": shared.kill_and_restart, "corrupt": shared.corrupt, "full": shared.fill}[action](log)
+                if action == "corrupt":
+                    shared.corrupt(log, targets)
+                else:
+                    {"kill": shared.kill_and_restart, "full": shared.fill}[action](log)
                 next_fault = time.time() + args.fault_every
                 left = max(0.0, deadline - time.time())
                 total = {k: sum(v[0].get(k, 0) for v in latest.values()) for k in ("requests", "wrong_tokens")}
