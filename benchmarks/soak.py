@@ -170,12 +170,15 @@ def main() -> None:
     ap.add_argument("--tier", choices=["redis", "redis_cluster"], default="redis_cluster")
     ap.add_argument("--fault-every", type=float, default=20.0, help="seconds between faults")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--hot-bytes", type=int, default=32 << 20,
+                    help="each worker's hot tier of compressed chunks (the bound its memory should reach)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "soak.json"))
     args = ap.parse_args()
     if args.minutes <= 0 or args.fault_every <= 0 or args.workers < 1:
         ap.error("--minutes and --fault-every must be > 0, --workers >= 1")
 
     shared = Redis(args.tier)
+    shared.config["hot_bytes"] = args.hot_bytes
     deadline = time.time() + 60 * args.minutes
     queue: mp.Queue = mp.get_context("spawn").Queue()
     procs = [mp.get_context("spawn").Process(target=worker, args=(w, shared.config, deadline, queue))
@@ -241,6 +244,7 @@ def main() -> None:
     rss = {w: d[0]["rss_mb"] for w, d in done.items()}
     result = {
         "minutes": args.minutes, "tier": args.tier, "workers": args.workers, "batch": BATCH,
+        "hot_bytes": args.hot_bytes,
         "cpu": platform.processor() or platform.machine(), **totals, "store": stats,
         "faults_injected": injected, "chunks_corrupted": corrupted, "faults": faults,
         "faults_seen_by_workers": sum(f.get("counted", 0) > 0 for f in faults),
