@@ -47,6 +47,9 @@ class Prefiller:
                 r.full.n = len(cached) * c  # the exact prefix arrives by the swap, before the first verify
                 r.stats.cached_chunks = len(cached)
                 self._layout_draft(r, keys, cached)
+                # Poisoned: a verification that skipped the swap cannot pass.
+                r.prefix_missing = True
+                poison_prefix(r.full, r.prefix)
                 return None
         logits, queries = self.prefill(r)
         self._layout_draft(r, keys, self._store_prompt(r, keys, queries))
@@ -107,7 +110,7 @@ class Prefiller:
 
     def _layout_draft(self, r: Request, keys: list[str], ckvs: list[CompressedKV]) -> None:
         """Draft cache: the compressed chunks, then the exact suffix (what the full cache holds past
-        the prefix). The full prefix now lives in the store."""
+        the prefix)."""
         r.prefix, r.keys = len(ckvs) * self.chunk_size, keys[:len(ckvs)]
         for ckv in ckvs:
             r.stats.compressed_bytes += ckv.nbytes
@@ -117,5 +120,3 @@ class Prefiller:
         if r.full.n > r.prefix:  # prompt computed here: its exact suffix seeds the draft cache
             r.draft.write_suffix(0, *r.full.suffix(r.prefix, r.full.n))
             r.draft.n = r.full.n - r.prefix
-        if self.store is not None and r.prefix:
-            poison_prefix(r.full, r.prefix)

@@ -72,15 +72,17 @@ class Request:
     next round feeds ``tokens[start:]`` first: the last token (the target's own), or, before the first
     round of a prompt whose prefix came from the store, the uncached prompt tail. The full cache holds
     all positions; the draft cache holds the compressed prefix (``prefix`` tokens) then positions
-    ``prefix...``."""
+    ``prefix...``. In offload mode ``full`` is a pooled verify cache, held from a round's start to
+    its verification only (``None`` in between)."""
 
     idx: int
     tokens: list[int]
     n_prompt: int
     max_new: int
-    full: KVCache
+    full: KVCache | None
     draft: KVCache | None = None
     prefix: int = 0
+    prefix_missing: bool = False  # the full cache's prefix is not there yet (read from the store)
     keys: list[str] = field(default_factory=list)
     restored: set[int] = field(default_factory=set)  # prefix chunks recomputed and put back into the store
     start: int = 0  # position of the first token the round feeds (the tail of a cached prompt, else pos)

@@ -1,11 +1,15 @@
 """The VeriCache decode loop: draft on the compressed KV, verify on the full KV, swap hidden behind drafting.
 
-Per request and round: start swapping the full prefix into the verify buffer, draft ``L`` tokens on
-the draft cache (compressed prefix + exact suffix), wait for the swap (recomputing any chunk the
-store missed), verify ``[last token] + drafts`` in one forward over the full cache, emit the accepted
-drafts plus the target's own token, and bring both caches to the committed point: the full cache
-keeps exactly the verify forward's KV of the committed tokens, the draft cache's suffix gets a copy
-of it.
+Per request and round: draft ``L`` tokens on the draft cache (compressed prefix + exact suffix),
+verify ``[last token] + drafts`` in one forward over the full cache, emit the accepted drafts plus
+the target's own token, and bring both caches to the committed point: the full cache keeps exactly
+the verify forward's KV of the committed tokens, the draft cache's suffix gets a copy of it.
+
+Where the full KV lives between rounds is the residency mode (:mod:`~.residency`): ``resident``
+keeps it in the request (a prefix read from the store is swapped in once, behind the first round's
+drafting); ``offload`` leases a pooled verify cache at each round's start, swaps the full prefix in
+from the store behind that round's drafting (recomputing any chunk the store missed) and returns
+the cache after verifying. Requests are admitted while the ``kv_budget_bytes`` holds them.
 
 Storage is the project's :class:`~lmcache_vericache.backends.DualTierStore`; a new request's caches
 come from :class:`~.prefill.Prefiller` (prefill and store puts, or the store's cached prefix), and
@@ -39,6 +43,7 @@ from .horizon import DraftLen, Horizon, check_draft_len
 from .prefill import Prefiller
 from .proposer import NgramProposer
 from .request import Request, Result
+from .residency import Residency, check_residency
 from .runtime import Runtime, Segment
 from .swap import SwapIn
 from .verify import Sampling, accept
@@ -60,6 +65,10 @@ class VeriCacheEngine:
     engine drafts with its compressor. ``"resident"``: no store, the full KV never leaves the
     request (the baseline where it fits); ``compressor`` then names the drafter's method.
 
+    ``full_kv`` (``"auto"``, ``"resident"``, ``"offload"``), ``kv_budget_bytes`` and ``verify_buffers``:
+    where a request's full KV lives between verifications and how much KV may be resident; see
+    :mod:`~.residency` (auto: resident unless the budget is too small for it).
+
     Chunk keys come from the shared key scheme (:class:`~lmcache_vericache.backends.keys.KeySpace`):
     the same prompt chunk has the same key in every host (LMCache plugin, L2 adapter) whose key
     space agrees: ``model_id`` (default: a digest of this model's weights), ``hash_scheme``
@@ -71,14 +80,21 @@ class VeriCacheEngine:
                  draft_len: DraftLen = 16, max_draft_len: int = 64,
                  store: DualTierStore | StoreConfig | Mapping[str, Any] | str | None = None,
                  stagger: bool = True, ngram: NgramProposer | None = None, query_window: int = 32,
-                 eos_ids: set[int] | None = None, model_id: str | None = None):
+                 eos_ids: set[int] | None = None, model_id: str | None = None, full_kv: str = "auto",
+                 kv_budget_bytes: int | None = None, verify_buffers: int | None = None):
         self.rt = Runtime(model)
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         check_draft_len(draft_len, max_draft_len)
+        check_residency(full_kv, kv_budget_bytes, verify_buffers)
+        self.full_kv, self.kv_budget_bytes, self.verify_buffers = full_kv, kv_budget_bytes, verify_buffers
+        #: Facts of the last ``generate()``: resolved mode, verify buffers, most requests at once, peak KV.
+        self.last_run: dict[str, Any] = {}
         config, self.store, self._owns_store = self._store_config(store, compressor, compressor_params)
         self.compressor = (self.store.compressor if self.store is not None
                            else compressors.get(config.compressor, **config.compressor_params))
+        if full_kv == "offload" and self.store is None:
+            raise ValueError("full_kv='offload' needs a store for the full KV (store='resident' has none)")
         self.chunk_size, self.draft_len, self.max_draft_len = chunk_size, draft_len, max_draft_len
         self.stagger, self.ngram, self.query_window = stagger, ngram, query_window
         self.eos_ids = set(self.rt.eos_ids if eos_ids is None else eos_ids)
@@ -143,28 +159,36 @@ class VeriCacheEngine:
         draft_len = self.draft_len if draft_len is None else draft_len
         check_draft_len(draft_len, self.max_draft_len)
         stagger = self.stagger if stagger is None else stagger
-        reqs = self._start(prompts, max_new_tokens, sampling, seed, draft=True)
+        batch = self._batch(prompts, max_new_tokens)
+        res = self._residency(batch, max_new_tokens, self.full_kv)
+        pending, reqs, t_begin = list(range(len(batch))), [], time.perf_counter()
+        self.last_run = dict(full_kv=res.mode, verify_buffers=res.pool.count if res.pool else 0,
+                             max_active=0, peak_kv_bytes=0)
         self._on_round = on_round
         try:
-            for r in reqs:
-                r.horizon = Horizon(draft_len, self.max_draft_len)
-                if not r.done:
-                    self._new_round(r)
-                    if stagger and r.idx % 2 and r.limit > 1:
-                        r.limit //= 2  # a half-length first round puts odd requests out of phase
             while True:
+                for r in self._admit(batch, pending, reqs, res, max_new_tokens, sampling, seed, t_begin):
+                    r.horizon = Horizon(draft_len, self.max_draft_len)
+                    if not r.done:
+                        self._new_round(r, res)
+                        if stagger and r.idx % 2 and r.limit > 1:
+                            r.limit //= 2  # a half-length first round puts odd requests out of phase
                 active = [r for r in reqs if not r.done]
                 if not active:
                     break
+                self._track(active, res)
                 for r in active:
+                    if res.offload and r.full is None:
+                        self._lease(r, res)  # no free verify buffer at round start: drafts, retried here
                     # A cached prompt's first round drafts only while its exact prefix is still arriving:
                     # once it is in, verifying the tail at once gives the first token soonest.
                     if r.start < r.pos and r.swap is not None and r.swap.done:
                         r.limit = min(r.limit, len(r.drafts))
                 drafting = [r for r in active if len(r.drafts) < r.limit]
-                # Lock step: nobody verifies while anybody still drafts.
-                verifying = [r for r in active if len(r.drafts) >= r.limit] if (stagger or not drafting) else []
-                self._step(drafting, verifying, sampling)
+                # Lock step: nobody verifies while anybody still drafts. Verifying needs a verify cache.
+                verifying = ([r for r in active if len(r.drafts) >= r.limit and r.full is not None]
+                             if (stagger or not drafting) else [])
+                self._step(drafting, verifying, sampling, res)
         finally:
             # Only an error leaves swaps in flight: stop them before the caller gets control back,
             # so no background thread keeps reading the store and writing into the caches.
@@ -172,7 +196,7 @@ class VeriCacheEngine:
                 if r.swap is not None:
                     r.swap.cancel()
                     r.swap = None
-        return [Result(r.out, r.stats) for r in reqs]
+        return [Result(r.out, r.stats) for r in sorted(reqs, key=lambda r: r.idx)]
 
     def reference(self, prompts: Prompts, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
                   top_p: float = 1.0, seed: int = 0) -> list[Result]:
@@ -192,48 +216,113 @@ class VeriCacheEngine:
 
     # -- set-up -----------------------------------------------------------------------------------
     def _start(self, prompts: Prompts, max_new: int, sampling: Sampling, seed: int, draft: bool) -> list[Request]:
+        """Set up every prompt at once with resident caches (reference decoding, benchmarks)."""
+        batch = self._batch(prompts, max_new)
+        res = self._residency(batch, max_new, "resident")
+        return [self._setup(batch, i, max_new, sampling, seed, draft, res, time.perf_counter(), {})
+                for i in range(len(batch))]
+
+    def _batch(self, prompts: Prompts, max_new: int) -> list[list[int]]:
         if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new!r}")
-        batch = _as_batch(prompts, self.rt.vocab_size)
-        reqs: list[Request] = []
-        done: dict[tuple[int, ...], tuple[Request, Tensor | None]] = {}  # identical prompts share one set-up
-        t_begin = time.perf_counter()
-        for i, ids in enumerate(batch):
-            cap = len(ids) + max_new + self.max_draft_len + 2
-            gen = torch.Generator().manual_seed(seed + i)
-            r = Request(i, list(ids), len(ids), max_new, self.rt.new_cache(cap), gen=gen, t0=t_begin)
-            r.stats.prompt_tokens = len(ids)
-            t0 = time.perf_counter()
-            if tuple(ids) in done:
-                twin, logits = done[tuple(ids)]
-                r.full = twin.full.clone()
-                r.draft = twin.draft.clone() if twin.draft is not None else None
-                r.prefix, r.keys = twin.prefix, twin.keys
-                for name in ("compressed_bytes", "full_prefix_bytes", "cached_chunks"):
-                    setattr(r.stats, name, getattr(twin.stats, name))
-            else:
-                keys = self.chunk_keys(r.tokens) if self.store is not None and draft else []
-                logits = self._prefiller.setup(r, keys, draft)
-                done[tuple(ids)] = (r, logits)  # nothing decodes before _start returns: r stays pristine
-            r.stats.prefill_s = time.perf_counter() - t0
-            if logits is not None:
-                self._emit(r, [self._pick(r, logits, sampling)])
-            r.start = r.pos if logits is not None else r.prefix
+        return _as_batch(prompts, self.rt.vocab_size)
+
+    def _capacity(self, ids: list[int], max_new: int) -> int:
+        return len(ids) + max_new + self.max_draft_len + 2
+
+    def _residency(self, batch: list[list[int]], max_new: int, full_kv: str) -> Residency:
+        cap = max(self._capacity(ids, max_new) for ids in batch)
+        return Residency(full_kv, self.kv_budget_bytes, self.verify_buffers, len(batch),
+                         cap * self.rt.kv_bytes_per_token(), lambda: self.rt.new_cache(cap), self.store is not None)
+
+    def _admit(self, batch: list[list[int]], pending: list[int], reqs: list[Request], res: Residency,
+               max_new: int, sampling: Sampling, seed: int, t_begin: float) -> list[Request]:
+        """Set up pending requests, in order, while the KV budget admits them (one at least when
+        nothing runs); returns the new ones (appended to ``reqs``)."""
+        new: list[Request] = []
+        twins: dict[tuple[int, ...], tuple[Request, Tensor | None]] = {}  # nothing decodes in between
+        while pending:
+            running = [r for r in reqs if not r.done]
+            held = res.held_bytes([r.draft for r in running] + ([] if res.offload else [r.full for r in running]))
+            full_bytes = self._capacity(batch[pending[0]], max_new) * self.rt.kv_bytes_per_token()
+            if not res.admits(held, full_bytes, first=not running):
+                break
+            r = self._setup(batch, pending[0], max_new, sampling, seed, True, res, t_begin, twins)
+            if r is None:  # offload: every verify buffer is in a round; prefill needs one
+                break
+            pending.pop(0)
+            res.observe(r.draft, full_bytes)
             reqs.append(r)
-            if draft:
-                M.ENGINE_REQUESTS.inc()
-                M.ENGINE_CACHED.inc(r.stats.cached_chunks)
-                M.ENGINE_EMITTED.inc(r.stats.new_tokens)
-        return reqs
+            new.append(r)
+        return new
+
+    def _setup(self, batch: list[list[int]], i: int, max_new: int, sampling: Sampling, seed: int, draft: bool,
+               res: Residency, t_begin: float, twins: dict) -> Request | None:
+        """Caches of request ``i`` (``None``: offload and no verify cache free for its prefill).
+        ``twins``: requests set up since the last decode step, by prompt; an identical prompt copies
+        their caches instead of prefilling again (and decodes as if it had prefilled)."""
+        ids = batch[i]
+        full = res.pool.lease() if res.offload else self.rt.new_cache(self._capacity(ids, max_new))
+        if full is None:
+            return None
+        r = Request(i, list(ids), len(ids), max_new, full, gen=torch.Generator().manual_seed(seed + i), t0=t_begin)
+        r.stats.prompt_tokens = len(ids)
+        t0 = time.perf_counter()
+        if tuple(ids) in twins:
+            twin, logits = twins[tuple(ids)]
+            if not res.offload:  # offload: the verify cache goes back to the pool below
+                r.full = twin.full.clone()
+            r.draft = twin.draft.clone() if twin.draft is not None else None
+            r.prefix, r.keys, r.prefix_missing = twin.prefix, twin.keys, twin.prefix_missing
+            for name in ("compressed_bytes", "full_prefix_bytes", "cached_chunks"):
+                setattr(r.stats, name, getattr(twin.stats, name))
+        else:
+            keys = self.chunk_keys(r.tokens) if self.store is not None and draft else []
+            logits = self._prefiller.setup(r, keys, draft)
+            twins[tuple(ids)] = (r, logits)
+        r.stats.prefill_s = time.perf_counter() - t0
+        if logits is not None:
+            self._emit(r, [self._pick(r, logits, sampling)])
+        r.start = r.pos if logits is not None else r.prefix
+        if res.offload:  # the full KV now lives in the store and the draft cache's exact suffix
+            res.pool.release(r.full)
+            r.full = None
+        if draft:
+            M.ENGINE_REQUESTS.inc()
+            M.ENGINE_CACHED.inc(r.stats.cached_chunks)
+            M.ENGINE_EMITTED.inc(r.stats.new_tokens)
+        return r
+
+    def _track(self, active: list[Request], res: Residency) -> None:
+        run = self.last_run
+        run["max_active"] = max(run["max_active"], len(active))
+        held = res.held_bytes([r.draft for r in active] + ([] if res.offload else [r.full for r in active]))
+        run["peak_kv_bytes"] = max(run["peak_kv_bytes"], held)
 
     # -- rounds -----------------------------------------------------------------------------------
-    def _new_round(self, r: Request) -> None:
+    def _new_round(self, r: Request, res: Residency) -> None:
         r.drafts, r.qs, r.round_draft_s = [], [], 0.0
         r.limit = max(0, min(r.horizon.L, r.remaining - 1))
-        if self.store is not None and r.prefix:
+        if res.offload:
+            self._lease(r, res)
+        elif r.prefix_missing:  # resident: a prefix read from the store is swapped in once
             r.swap = SwapIn(self.store, r.keys, r.full, self.chunk_size)
 
-    def _step(self, drafting: list[Request], verifying: list[Request], sampling: Sampling) -> None:
+    def _lease(self, r: Request, res: Residency) -> None:
+        """Offload: take a verify cache from the pool (if one is free), copy in the exact suffix from
+        the draft cache and start swapping the full prefix from the store into it."""
+        full = res.pool.lease()
+        if full is None:
+            return
+        n = r.start - r.prefix  # positions [prefix, start) are exact in the draft cache
+        if n:
+            k, v = r.draft.suffix(0, n)
+            full.k[:, :, r.prefix:r.start], full.v[:, :, r.prefix:r.start] = k, v
+        full.n, r.full = r.start, full
+        if r.prefix:
+            r.swap = SwapIn(self.store, r.keys, full, self.chunk_size)
+
+    def _step(self, drafting: list[Request], verifying: list[Request], sampling: Sampling, res: Residency) -> None:
         for r in verifying:
             self._finish_swap(r)
         tokens, positions, segs, rows, plan = [], [], [], [], []
@@ -259,7 +348,7 @@ class VeriCacheEngine:
                 self._take_drafts(r, guesses, rows_r, sampling)
             else:
                 r.stats.verify_s += dt
-                self._verify(r, rows_r, sampling)
+                self._verify(r, rows_r, sampling, res)
 
     @staticmethod
     def _add(tokens, positions, segs, rows, cache, feed, pos, first_row):
@@ -310,8 +399,9 @@ class VeriCacheEngine:
         for i in misses:  # never verify against wrong KV: recompute the chunk from its tokens
             self._prefiller.recompute_chunk(r, i)
             r.stats.recomputed_chunks += 1
+        r.prefix_missing = False
 
-    def _verify(self, r: Request, logits: Tensor, sampling: Sampling) -> None:
+    def _verify(self, r: Request, logits: Tensor, sampling: Sampling, res: Residency) -> None:
         t = r.pos
         k, nxt = accept(r.drafts, r.qs if not sampling.greedy else None, logits, sampling, r.gen)
         # Commit the exact KV of the fed tokens that were accepted: tokens[start:] and drafts[:k].
@@ -335,8 +425,13 @@ class VeriCacheEngine:
         M.ENGINE_EMITTED.inc(emitted)
         if self._on_round is not None:
             self._on_round(r)
-        if not r.done:
-            self._new_round(r)
+        if res.offload:  # the committed exact KV is in the draft cache's suffix now
+            res.pool.release(r.full)
+            r.full = None
+        if r.done:
+            r.full = r.draft = None  # resident KV is freed as each request ends
+        else:
+            self._new_round(r, res)
 
     def _pick(self, r: Request, logits: Tensor, sampling: Sampling) -> int:
         top2 = logits.topk(2).values

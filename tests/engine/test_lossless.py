@@ -23,7 +23,7 @@ CASES = [
 def test_greedy_identical_1k(smollm2, reference_cache, name, params):
     model, tok = smollm2
     prompt = real_prompts(tok, 1024)["stdlib/json/decoder.py"]
-    eng = VeriCacheEngine(model, name, params, draft_len=16)
+    eng = VeriCacheEngine(model, name, params, draft_len=16, full_kv="offload")  # the swap path
     [ref] = reference(eng, [prompt], 128, reference_cache)
     [out] = eng.generate([prompt], 128)
     assert len(out.tokens) == 128
@@ -40,10 +40,12 @@ CASES_2K = [c for c in CASES if c.values[0] in {"streamingllm", "kivi"}]
 @pytest.mark.slow
 @pytest.mark.parametrize("name,params", CASES_2K)
 def test_greedy_identical_2k_batch(smollm2, reference_cache, name, params):
-    """Both real prompts (stdlib, HumanEval) at 2k tokens as one staggered batch, adaptive L."""
+    """Both real prompts (stdlib, HumanEval) at 2k tokens as one staggered batch, adaptive L, sharing
+    one verify buffer."""
     model, tok = smollm2
     prompts = list(real_prompts(tok, 2048).values())
-    eng = VeriCacheEngine(model, name, params, draft_len="auto")
+    # one verify buffer for two requests: they take turns, each round swapped in from the store
+    eng = VeriCacheEngine(model, name, params, draft_len="auto", full_kv="offload", verify_buffers=1)
     refs = reference(eng, prompts, 128, reference_cache)
     outs = eng.generate(prompts, 128)
     for label, out, ref in zip(["stdlib", "humaneval"], outs, refs):

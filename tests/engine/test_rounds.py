@@ -25,6 +25,8 @@ SL = ("streamingllm", {"keep_ratio": 0.25})  # evicts 3/4: plenty of rejections
 def _eng(model, **kw):
     kw.setdefault("chunk_size", 64)
     kw.setdefault("draft_len", 6)
+    if kw.get("store") != "resident":  # the swap path: a verify cache from the pool, refilled each round
+        kw.setdefault("full_kv", "offload")
     name, params = kw.pop("method", SL)
     return VeriCacheEngine(model, name, params, **kw)
 
@@ -71,7 +73,8 @@ def test_max_new_tokens_exact_and_eos_stops(tiny_model):
 
 @pytest.mark.parametrize("variant", [
     dict(draft_len="auto"), dict(draft_len=1), dict(draft_len=0), dict(stagger=False), dict(draft_len=12, stagger=True),
-    dict(ngram=NgramProposer(max_ngram=3, num_tokens=5)), dict(store="resident"),
+    dict(ngram=NgramProposer(max_ngram=3, num_tokens=5)), dict(store="resident"), dict(full_kv="resident"),
+    dict(verify_buffers=1), dict(verify_buffers=1, draft_len="auto", stagger=False),
 ])
 def test_scheduling_changes_speed_not_tokens(tiny_model, variant):
     prompts = random_prompts(4, [300, 200, 129, 64])
