@@ -5,6 +5,11 @@ Per (dtype, context, batch): plain full-KV decoding in the engine's runtime (the
 VeriCache with each compressor (greedy): decode tokens/s (prefill excluded), speed-up, whether the
 tokens are identical to the baseline's, tokens per round, hidden swap fraction. Median of ``--reps``.
 
+Step costs, per (dtype, context, batch, method), on the same prompts' caches: a 1-token step over
+the full KV (``t_full``), over the draft KV (``t_draft``) and a verify of L+1 tokens over the full KV
+(``v``), medians of ``--step-reps``; the draft step's bytes bound is ``t_full x bytes_draft /
+bytes_full`` (a step reads the weights once plus every cached K/V entry).
+
 Acceptance, three ways, per compressor (batch 1, first context): greedy (the run above: inflated where
 the model loops, flagged), seeded sampling (temperature 0.8) and the teacher-forced yardstick: draft
 vs target argmax agreement along the file's real continuation, turned into the tokens per round that
@@ -21,12 +26,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
+from machine import machine_info
 
 from lmcache_vericache import compressors
 from lmcache_vericache.data import stdlib_source
@@ -78,6 +84,38 @@ def teacher_forced(eng: VeriCacheEngine, prompt: list[int], cont: list[int], hor
     return emitted / rounds
 
 
+def step_costs(model, eng: VeriCacheEngine, ps: list[list[int]], verify_len: int, reps: int) -> dict:
+    """Median seconds of one batched forward over every request's full / draft cache (1 token each)
+    and of a verify block of ``verify_len`` tokens over the full caches; KV entries each step reads."""
+    reqs = eng._start(ps, verify_len + 2, Sampling(), 0, draft=True)  # resident caches of the prompts
+    rt = eng.rt
+
+    def timed_forward(caches, n):
+        out = []
+        for _ in range(reps):
+            toks = torch.tensor([t for r in reqs for t in (r.tokens[-1:] * n)])
+            pos = torch.tensor([p for r in reqs for p in range(r.pos, r.pos + n)])
+            t0 = time.perf_counter()
+            rt.forward(toks, pos, [Segment(c, n) for c in caches])
+            out.append(time.perf_counter() - t0)
+            for c in caches:
+                c.n -= n  # roll back: every repeat sees the same cache
+        return statistics.median(out)
+
+    fulls, drafts = [r.full for r in reqs], [r.draft for r in reqs]
+    t_full, t_draft = timed_forward(fulls, 1), timed_forward(drafts, 1)
+    t_verify = timed_forward(fulls, verify_len)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # tied embeddings once
+    per_entry = rt.kv_bytes_per_token() // rt.num_layers  # one layer's K+V of one position
+    full_kv = sum(c.length(li) for c in fulls for li in range(rt.num_layers)) * per_entry
+    draft_kv = sum(c.length(li) for c in drafts for li in range(rt.num_layers)) * per_entry
+    bound = t_full * (weights + draft_kv) / (weights + full_kv)
+    return dict(t_full_ms=1e3 * t_full, t_draft_ms=1e3 * t_draft, t_verify_ms=1e3 * t_verify,
+                verify_len=verify_len, draft_bound_ms=1e3 * bound, draft_vs_bound=t_draft / bound,
+                verify_vs_full=t_verify / t_full, weight_bytes=weights, full_kv_bytes=full_kv,
+                draft_kv_bytes=draft_kv)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="2048,4096")
@@ -87,7 +125,11 @@ def main() -> None:
                     help="comma-separated names, first example of each (default streamingllm,int8)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--draft-len", default="auto")
-    ap.add_argument("--source", default="memory", choices=["memory", "resident"])
+    ap.add_argument("--source", default="memory", choices=["memory", "resident"],
+                    help="memory: a store holds the prompt chunks; resident: no store at all")
+    ap.add_argument("--full-kv", default="auto", choices=["auto", "resident", "offload"],
+                    help="where the full KV lives between verifications (engine full_kv)")
+    ap.add_argument("--step-reps", type=int, default=3, help="repeats of each timed step (median)")
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--accept-tokens", type=int, default=128, help="tokens for the acceptance study")
     ap.add_argument("--full", action="store_true", help="2k/4k/8k, batch 1/8, fp32/bf16, every method")
@@ -97,8 +139,14 @@ def main() -> None:
         args.contexts, args.batches, args.dtypes = "2048,4096,8192", "1,8", "float32,bfloat16"
         args.compressors = ",".join(compressors.available())
     draft_len = args.draft_len if args.draft_len == "auto" else int(args.draft_len)
+    for m in args.compressors.split(","):
+        compressors.get(m)  # unknown names fail here, before any model loads
     methods = [(m, compressors.get(m).examples[0]) for m in args.compressors.split(",")]
+    if args.source == "resident" and args.full_kv == "offload":
+        ap.error("--full-kv offload needs a store (--source memory)")
     rows, accept_rows = [], []
+    todo = len(args.dtypes.split(",")) * len(args.contexts.split(",")) * len(args.batches.split(",")) * len(methods)
+    t_start = time.perf_counter()
     for dtype in args.dtypes.split(","):
         model, tok = load_model("smollm2", dtype=getattr(torch, dtype))
         # Warm-up (kernels, allocator): without it the first timed baseline ran up to 3x slow,
@@ -117,7 +165,7 @@ def main() -> None:
                         ref_s.append(s)
                         # A fresh engine (and store) per repeat: a reused one would find the prompt's
                         # prefix in its own store and skip the prefill the baseline pays.
-                        eng = VeriCacheEngine(model, m, params, draft_len=draft_len,
+                        eng = VeriCacheEngine(model, m, params, draft_len=draft_len, full_kv=args.full_kv,
                                               store="resident" if args.source == "resident" else None)
                         s, out = timed(lambda eng=eng, ps=ps: eng.generate(ps, args.new_tokens))
                         vc_s.append(s)
@@ -134,10 +182,16 @@ def main() -> None:
                                draft_step_ms=1e3 * statistics.mean(s.draft_s / max(1, s.draft_steps) for s in st),
                                full_step_ms=1e3 * statistics.median(ref_s) / args.new_tokens,
                                verify_ms=1e3 * statistics.mean(s.verify_s / max(1, s.rounds) for s in st),
-                               loops=[loops(r.tokens) for r in ref])
+                               loops=[loops(r.tokens) for r in ref], full_kv=eng.last_run["full_kv"])
                     row["speedup"] = row["vericache_tok_s"] / row["full_tok_s"]
+                    row.update(step_costs(model, VeriCacheEngine(model, m, params, store="resident"), ps, 17,
+                                         args.step_reps))
                     rows.append(row)
                     print(_fmt(row), flush=True)
+                    done_s = time.perf_counter() - t_start
+                    print(f"[{len(rows)}/{todo}] {done_s / 60:.1f} min, about "
+                          f"{done_s / len(rows) * (todo - len(rows)) / 60:.1f} min left (acceptance study after)",
+                          file=sys.stderr, flush=True)
         # acceptance three ways: batch 1, first context
         ctx = int(args.contexts.split(",")[0])
         [p] = prompts(tok, ctx, 1, cont=args.accept_tokens)
@@ -155,8 +209,8 @@ def main() -> None:
                   f"{' (loops)' if a['greedy_loops'] else ''}  sampled {a['sampled_t08']:5.1f}  teacher-forced {tf:5.1f}",
                   flush=True)
     OUT.mkdir(exist_ok=True)
-    meta = dict(machine=platform.machine(), threads=torch.get_num_threads(), torch=torch.__version__,
-                new_tokens=args.new_tokens, draft_len=args.draft_len, source=args.source, reps=args.reps)
+    meta = dict(**machine_info(), new_tokens=args.new_tokens, draft_len=args.draft_len, source=args.source,
+                full_kv=args.full_kv, reps=args.reps, step_reps=args.step_reps)
     (OUT / f"{args.name}.json").write_text(json.dumps(dict(meta=meta, throughput=rows, acceptance=accept_rows), indent=1))
     _plot(rows, OUT / f"{args.name}.png")
 
@@ -165,7 +219,10 @@ def _fmt(r: dict) -> str:
     return (f"{r['dtype']:<8} ctx {r['context']:>5} b {r['batch']} {r['method']:<14} {r['ratio']:>5}x  "
             f"full {r['full_tok_s']:6.1f} tok/s  vericache {r['vericache_tok_s']:6.1f} tok/s  x{r['speedup']:.2f}  "
             f"identical {r['identical']}  tok/round {r['tokens_per_round']:5.1f}  hidden {100 * r['hidden_swap']:.0f}%  "
-            f"step draft/full {r['draft_step_ms']:.0f}/{r['full_step_ms']:.0f} ms  verify {r['verify_ms']:.0f} ms")
+            f"[{r['full_kv']}]\n    steps: full {r['t_full_ms']:.0f} ms  draft {r['t_draft_ms']:.0f} ms "
+            f"(bound {r['draft_bound_ms']:.0f} ms, x{r['draft_vs_bound']:.2f})  verify {r['verify_len']} tokens "
+            f"{r['t_verify_ms']:.0f} ms (x{r['verify_vs_full']:.2f} of a full step)  "
+            f"in the run: draft {r['draft_step_ms']:.0f} ms  verify {r['verify_ms']:.0f} ms")
 
 
 def _plot(rows: list[dict], path: Path) -> None:

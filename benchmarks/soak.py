@@ -60,7 +60,8 @@ def worker(wid: int, store: dict, deadline: float, out: mp.Queue) -> None:
     totals = {"requests": 0, "tokens": 0, "wrong_tokens": 0, "recomputed_chunks": 0, "cached_chunks": 0,
               "errors": 0}
     rss, t0 = [], time.time()
-    with VeriCacheEngine(model, "int8", chunk_size=CHUNK, draft_len=8, store=store) as eng:
+    # offload: every round reads the full prefix from the shared store, so every fault is on the data path
+    with VeriCacheEngine(model, "int8", chunk_size=CHUNK, draft_len=8, store=store, full_kv="offload") as eng:
         # The pool's chunks are the ones read again and again: the injector corrupts those.
         out.put(("keys", wid, time.time(), sorted({k for p in pool for k in eng.chunk_keys(p)}), {}))
         while time.time() < deadline:

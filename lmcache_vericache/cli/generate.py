@@ -47,6 +47,14 @@ def add_parser(subparsers) -> None:
                         '\'{"capacity": "redis", "redis_url": "redis://127.0.0.1:6379/0"}\'; compressor, '
                         'compressor_params and num_kv_heads default to the run\'s (replaces --source)')
     p.add_argument("--swap-dir", default=None, help="folder for --source file (default: a temporary folder)")
+    p.add_argument("--full-kv", default="auto", choices=["auto", "resident", "offload"],
+                   help="resident: the full KV stays in memory (fastest where it fits); offload: only the "
+                        "draft KV stays, the full prefix is swapped from the store into a pooled verify "
+                        "buffer each round; auto (default): resident unless --kv-budget-bytes is too small")
+    p.add_argument("--kv-budget-bytes", type=int, default=None, metavar="BYTES",
+                   help="bound on resident KV (draft + full caches, verify buffers); default: none")
+    p.add_argument("--verify-buffers", type=int, default=None, metavar="N",
+                   help="offload: full-size verify buffers shared by the requests (default: from the budget)")
     p.add_argument("--ngram", action="store_true", help="stack a prompt-lookup proposer in front of the drafter")
     p.add_argument("--reference", action="store_true", help="also run plain full-KV greedy decoding and compare")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -88,6 +96,11 @@ def _parse(args: argparse.Namespace) -> tuple[dict | None, int | str, dict | Non
         raise ValueError("--reference compares against greedy decoding; use --temperature 0")
     if args.prompt_tokens < 0:
         raise ValueError("--prompt-tokens must be >= 0")
+    from ..engine.residency import check_residency
+
+    check_residency(args.full_kv, args.kv_budget_bytes, args.verify_buffers)
+    if args.full_kv == "offload" and args.source == "resident":
+        raise ValueError("--full-kv offload needs a store; --source resident has none")
     if args.metrics_port is not None and not 1 <= args.metrics_port <= 65535:
         raise ValueError(f"--metrics-port must be in 1..65535, got {args.metrics_port}")
     return params, draft_len, store_config
@@ -147,7 +160,8 @@ def _run(args: argparse.Namespace) -> int:
         if args.compressor is None and not (isinstance(store, dict) and "compressor" in store):
             args.compressor = "streamingllm"
         eng = VeriCacheEngine(model, args.compressor, params, draft_len=draft_len, store=store,
-                              ngram=NgramProposer() if args.ngram else None)
+                              ngram=NgramProposer() if args.ngram else None, full_kv=args.full_kv,
+                              kv_budget_bytes=args.kv_budget_bytes, verify_buffers=args.verify_buffers)
         [res] = eng.generate([ids], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                              top_p=args.top_p, seed=args.seed)
     except (ValueError, TierError) as e:
@@ -167,6 +181,7 @@ def _run(args: argparse.Namespace) -> int:
         "compression_ratio": s.compression_ratio, "draft_s": s.draft_s, "verify_s": s.verify_s,
         "swap_s": s.swap_s, "swap_wait_s": s.swap_wait_s, "prefill_s": s.prefill_s, "ttft_s": s.ttft_s,
         "cached_chunks": s.cached_chunks, "recomputed_chunks": s.recomputed_chunks,
+        "full_kv": eng.last_run["full_kv"], "peak_kv_bytes": eng.last_run["peak_kv_bytes"],
         "store": dataclasses.asdict(eng.store.stats) if eng.store is not None else None,
     }
     if args.reference:
@@ -186,6 +201,7 @@ def _run(args: argparse.Namespace) -> int:
         print(out["text"])
         print(f"\n-- {len(ids)} prompt tokens, {len(res.tokens)} new, {s.rounds} rounds, "
               f"{s.mean_accepted:.1f} tokens/round, compression {s.compression_ratio:.1f}x, "
+              f"full KV {out['full_kv']}, "
               f"swap hidden {100 * s.hidden_swap_fraction:.0f}%, {s.cached_chunks} prompt chunks from the store, "
               f"first token after {s.ttft_s:.2f} s", file=sys.stderr)
         if args.reference:

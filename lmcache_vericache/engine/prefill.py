@@ -14,6 +14,7 @@ import logging
 import torch
 
 from ..backends import DualTierStore, TierError
+from ..backends.keys import KeySpace
 from ..compressors import CompressedKV, KVCompressor
 from .cache import append_chunks, poison_prefix
 from .request import Request
@@ -29,8 +30,8 @@ class Prefiller:
     its prompt and new tokens (the longest round's drafts and n-gram guesses)."""
 
     def __init__(self, rt: Runtime, store: DualTierStore | None, compressor: KVCompressor, chunk_size: int,
-                 query_window: int, draft_room: int):
-        self.rt, self.store, self.compressor = rt, store, compressor
+                 query_window: int, draft_room: int, key_space: KeySpace):
+        self.rt, self.store, self.compressor, self.key_space = rt, store, compressor, key_space
         self.chunk_size, self.query_window, self.draft_room = chunk_size, query_window, draft_room
 
     def setup(self, r: Request, keys: list[str], draft: bool) -> Tensor | None:
@@ -52,6 +53,7 @@ class Prefiller:
                 poison_prefix(r.full, r.prefix)
                 return None
         logits, queries = self.prefill(r)
+        r.queries = None if queries is None else queries.cpu()
         self._layout_draft(r, keys, self._store_prompt(r, keys, queries))
         return logits
 
@@ -87,6 +89,39 @@ class Prefiller:
                                replace=True)  # the stored value may exist but be unusable (wrong shape)
             except TierError as e:  # logged by the store; the chunk stays recomputed each round
                 logger.debug("request %d: could not restore chunk %d in the store: %s", r.idx, i, e)
+
+    def compress_generated(self, r: Request, window: int, offload: bool) -> None:
+        """Long generations: while the draft cache's exact suffix holds a whole chunk more than
+        ``window`` exact recent positions, its oldest chunk (committed exact KV, read from the full
+        cache) joins the compressed prefix, so the exact part of the draft cache stays bounded.
+        Offload also puts the full chunk into the store: the next verify cache is rebuilt from the
+        store's prefix and the draft cache's suffix. Methods scored by observation-window queries
+        use the prompt's (none for a prompt served from the store: its generated KV stays exact);
+        a failed put ends this for the request (its KV stays exact: slower, never wrong)."""
+        c = self.chunk_size
+        while not r.exact_only and r.full.n - r.prefix >= c + window:
+            p = r.prefix
+            kv = r.full.to_2ltd(p, p + c).contiguous()
+            try:
+                if offload:
+                    key = self.key_space.token_keys(r.tokens[:p + c])[-1]
+                    self.store.put(key, kv, start=p, queries=r.queries)
+                    [ckv] = self.store.get_compressed_prefix([key]) or [None]
+                    if ckv is None:
+                        raise TierError(f"compressed chunk {key} not readable after its put")
+                    r.keys.append(key)
+                else:
+                    ckv = self.compressor.compress(kv, self.rt.num_kv_heads, start=p, queries=r.queries)
+            except (TierError, ValueError) as e:
+                logger.info("request %d: generated KV from position %d stays exact: %s", r.idx, p, e)
+                r.exact_only = True
+                return
+            room = r.full.n - (p + c) + r.remaining + self.draft_room
+            append_chunks(r.draft, [ckv], self.compressor, room=room)
+            r.prefix = p + c
+            r.draft.write_suffix(0, *r.full.suffix(r.prefix, r.full.n))
+            r.draft.n = r.full.n - r.prefix
+            r.stats.generated_chunks += 1
 
     def _store_prompt(self, r: Request, keys: list[str], queries: Tensor | None) -> list[CompressedKV]:
         """Put the prompt's full chunks into the store (which compresses them) and take the

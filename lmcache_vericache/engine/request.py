@@ -32,6 +32,7 @@ class RequestStats:
     bytes_moved: int = 0
     recomputed_chunks: int = 0  # full chunks the store missed (or served damaged), recomputed from tokens
     cached_chunks: int = 0  # prompt chunks taken from the store instead of prefilled (shared prefix)
+    generated_chunks: int = 0  # chunks past the prompt compressed into the draft prefix (long generations)
     ttft_s: float = 0.0  # from the start of generate() to the request's first emitted token
     compressed_bytes: int = 0
     full_prefix_bytes: int = 0
@@ -83,6 +84,8 @@ class Request:
     draft: KVCache | None = None
     prefix: int = 0
     prefix_missing: bool = False  # the full cache's prefix is not there yet (read from the store)
+    queries: torch.Tensor | None = None  # the prompt's observation-window queries (scoring generated chunks)
+    exact_only: bool = False  # generated KV is not compressed any more (a put failed, no queries)
     keys: list[str] = field(default_factory=list)
     restored: set[int] = field(default_factory=set)  # prefix chunks recomputed and put back into the store
     start: int = 0  # position of the first token the round feeds (the tail of a cached prompt, else pos)

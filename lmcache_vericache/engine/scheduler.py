@@ -103,7 +103,8 @@ class VeriCacheEngine:
         self.key_space: KeySpace = config.key_space(
             model=config.model_id or model_fingerprint(model), dtype=self.rt.dtype, chunk_size=chunk_size)
         draft_room = max_draft_len + 2 + (ngram.num_tokens if ngram else 0)
-        self._prefiller = Prefiller(self.rt, self.store, self.compressor, chunk_size, query_window, draft_room)
+        self._prefiller = Prefiller(self.rt, self.store, self.compressor, chunk_size, query_window, draft_room,
+                                    self.key_space)
         self._on_round: Callable[[Request], None] | None = None
 
     def _store_config(self, store: Any, compressor: str | None,
@@ -273,7 +274,8 @@ class VeriCacheEngine:
             if not res.offload:  # offload: the verify cache goes back to the pool below
                 r.full = twin.full.clone()
             r.draft = twin.draft.clone() if twin.draft is not None else None
-            r.prefix, r.keys, r.prefix_missing = twin.prefix, twin.keys, twin.prefix_missing
+            r.prefix, r.keys, r.prefix_missing = twin.prefix, list(twin.keys), twin.prefix_missing
+            r.queries = twin.queries
             for name in ("compressed_bytes", "full_prefix_bytes", "cached_chunks"):
                 setattr(r.stats, name, getattr(twin.stats, name))
         else:
@@ -423,6 +425,8 @@ class VeriCacheEngine:
         M.ENGINE_ACCEPTED.observe(k)
         M.ENGINE_DRAFTED.inc(drafted)
         M.ENGINE_EMITTED.inc(emitted)
+        if not r.done:
+            self._prefiller.compress_generated(r, self.query_window, res.offload)
         if self._on_round is not None:
             self._on_round(r)
         if res.offload:  # the committed exact KV is in the draft cache's suffix now

@@ -45,7 +45,7 @@ def test_redis_killed_mid_decode_finishes_identically(case, redis_server_factory
     store = StoreConfig.parse({"compressor": METHOD, "compressor_params": PARAMS, "num_kv_heads": 3,
                                "capacity": "redis", "redis_url": server.url}).build()
     with store, caplog.at_level(logging.WARNING):
-        eng = VeriCacheEngine(model, store=store, draft_len=16)
+        eng = VeriCacheEngine(model, store=store, draft_len=16, full_kv="offload")  # a swap every round
         [out] = eng.generate([prompt], N_NEW, on_round=_kill_after(2, server.kill))
         assert server.proc.poll() is not None  # really dead before the decode finished
         s = out.stats
@@ -60,7 +60,8 @@ def test_redis_killed_mid_decode_finishes_identically(case, redis_server_factory
 
 def test_corrupt_full_chunk_on_disk_is_never_verified_against(case, tmp_path, caplog):
     model, prompt, ref = case
-    eng = VeriCacheEngine(model, METHOD, PARAMS, store={"capacity": "disk", "disk_path": str(tmp_path)}, draft_len=16)
+    eng = VeriCacheEngine(model, METHOD, PARAMS, store={"capacity": "disk", "disk_path": str(tmp_path)}, draft_len=16,
+                          full_kv="offload")  # a swap every round
     victim = eng.store.capacity._file(eng.chunk_keys(prompt)[1] + FULL_SUFFIX)
 
     def damage():  # one flipped payload bit, in place, as a bad disk would do

@@ -16,7 +16,8 @@ from lmcache_vericache.cli import main
 def test_generate_reference_identical(tmp_path):
     cmd = [sys.executable, "-c", "from lmcache_vericache.cli import main; raise SystemExit(main())", "generate", "--compressor", "streamingllm",
            "--compressor-params", '{"keep_ratio": 0.25}', "--prompt-tokens", "1024", "--max-new-tokens", "128",
-           "--draft-len", "auto", "--source", "file", "--swap-dir", str(tmp_path), "--reference", "--json"]
+           "--draft-len", "auto", "--source", "file", "--swap-dir", str(tmp_path), "--full-kv", "offload",
+           "--reference", "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
@@ -24,6 +25,7 @@ def test_generate_reference_identical(tmp_path):
     assert len(out["prompt_tokens"]) == 1024 and len(out["tokens"]) == 128
     assert out["rounds"] >= 1 and 1 <= out["mean_accepted"] <= 65
     assert 0 <= out["hidden_swap_fraction"] <= 1 and out["compression_ratio"] > 3
+    assert out["full_kv"] == "offload" and out["store"]["full_hits"] >= 4 * out["rounds"]  # 4 chunks a round
     assert isinstance(out["text"], str) and out["text"]
     assert list(tmp_path.glob("*.kv"))  # the full chunks really went through files
 
@@ -37,6 +39,9 @@ def test_generate_reference_identical(tmp_path):
     (["--store-config", "{bad"], "--store-config is not valid JSON"),
     (["--store-config", "[1]"], "JSON object"),
     (["--store-config", '{"capacity": "memory"}', "--source", "file"], "replaces --source"),
+    (["--full-kv", "offload", "--source", "resident"], "needs a store"),
+    (["--kv-budget-bytes", "0"], "kv_budget_bytes must be a positive int"),
+    (["--verify-buffers", "-1"], "verify_buffers must be a positive int"),
 ])
 def test_bad_arguments(argv, msg, capsys):
     assert main(["generate", *argv, "--json"]) == 2

@@ -92,3 +92,22 @@ def test_bad_residency_options(tiny_model):
         _eng(tiny_model, store="resident", full_kv="offload")
     with pytest.raises(ValueError, match="cannot hold one verify buffer"):
         _eng(tiny_model, full_kv="offload", kv_budget_bytes=1000).generate(random_prompts(1, [100]), 2)
+
+
+@pytest.mark.parametrize("full_kv", ["resident", "offload"])
+@pytest.mark.parametrize("method", [SL, ("snapkv", {"keep_ratio": 0.25})])
+def test_long_generation_compresses_generated_chunks(tiny_model, full_kv, method):
+    """400 new tokens after a 300-token prompt: every filled chunk past the exact window joins the
+    compressed prefix (the draft cache's exact part stays under a chunk + window + one round), and
+    the tokens stay the reference's. Offload puts those chunks into the store and swaps them back."""
+    prompts = random_prompts(2, [300, 170], seed=9)
+    eng = VeriCacheEngine(tiny_model, *method, chunk_size=64, draft_len=6, full_kv=full_kv)
+    ref = eng.reference(prompts, 400)
+    exact = []
+    out = eng.generate(prompts, 400, on_round=lambda r: exact.append(r.draft.n))
+    assert [o.tokens for o in out] == [r.tokens for r in ref]
+    assert max(exact) < 64 + eng.query_window + 6 + 1
+    for o, n in zip(out, [300, 170]):
+        assert o.stats.generated_chunks >= (n + 400 - 64 - eng.query_window - 7) // 64 - n // 64
+    if full_kv == "offload":  # the last rounds swapped the generated chunks in too
+        assert eng.store.stats.full_hits > sum(o.stats.rounds for o in out) * (300 // 64)

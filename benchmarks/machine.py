@@ -1,0 +1,27 @@
+"""What a benchmark ran on: recorded in every result JSON (machines differ: an AVX2-only CPU runs
+bf16 slower than fp32, one with AVX-512 BF16 or AMX does not)."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+
+_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "fma")
+
+
+def machine_info() -> dict:
+    model, flags = platform.processor(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    return dict(machine=platform.machine(), cpu=model, cpu_flags=[f for f in _FLAGS if f in flags],
+                cores=os.cpu_count(), threads=torch.get_num_threads(), torch=torch.__version__)
