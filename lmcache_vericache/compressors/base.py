@@ -231,6 +231,12 @@ class KVQuantizer(_Validated, ABC):
         self, buffers: dict[str, Tensor], shape: tuple[int, int, int], dtype: torch.dtype
     ) -> tuple[Tensor, Tensor]: ...
 
+    def int8_codes(self, buffers: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+        """One layer's buffers as ``(kq, ks, vq, vs)``: int8 codes ``[H, n, D]`` with one scale per
+        (head, token) ``[H, n]`` or ``[H, n, 1]``, if that is this method's format (a drafter then
+        attends over the codes, see ``engine/int8_attention.py``); ``None`` otherwise (default)."""
+        return None
+
     # -- validation of untrusted chunks (see KVCompressor.check) ------------------------------
     # Buffers (scales, minima, norms) that multiply or offset codes: they must be finite.
     finite_buffers: ClassVar[tuple[str, ...]] = ()
@@ -313,6 +319,28 @@ class KVCompressor(_Validated):
             start=start,
             buffers=buffers,
         )
+
+    @property
+    def stores_int8_codes(self) -> bool:
+        """Whether ``int8_layers`` gives the chunks' codes (the quantizer implements ``int8_codes``)."""
+        q = self.quantizer()
+        return q is not None and type(q).int8_codes is not KVQuantizer.int8_codes
+
+    def int8_layers(self, ckv: CompressedKV) -> list[tuple[Tensor, Tensor, Tensor, Tensor]] | None:
+        """Per layer ``(kq, ks, vq, vs)`` int8 codes and per-token scales where the method's
+        quantizer stores them so (``KVQuantizer.int8_codes``), else ``None``. Same validation
+        precondition as ``decompress``."""
+        quantizer = self.quantizer()
+        if quantizer is None:
+            return None
+        out = []
+        for parts in ckv.buffers_by_layer():
+            parts.pop("pos", None)
+            codes = quantizer.int8_codes(parts)
+            if codes is None:
+                return None
+            out.append(codes)
+        return out
 
     def decompress(self, ckv: CompressedKV) -> list[LayerKV]:
         """Reconstruct, per layer, the kept K/V (dequantized) with absolute positions. A chunk from

@@ -32,6 +32,9 @@ class Int8(KVCompressor, KVQuantizer):
         vq, vs = _quant(values)
         return {"kq": kq, "ks": ks, "vq": vq, "vs": vs}
 
+    def int8_codes(self, buffers):
+        return buffers["kq"], buffers["ks"], buffers["vq"], buffers["vs"]
+
     def decode(self, buffers, shape, dtype):
         k = (buffers["kq"].float() * buffers["ks"].float()).to(dtype)
         v = (buffers["vq"].float() * buffers["vs"].float()).to(dtype)

@@ -8,7 +8,9 @@ A request has two caches of the same shape (:class:`KVCache`):
 * the *draft* cache holds, per layer, the decompressed chunks of the compressed prefix (a different
   number of entries per layer when the compressor evicts per layer), then the exact KV of the
   positions after it (the open chunk, a window, the committed suffix). :func:`append_chunks` is the
-  one way a compressed prefix gets into it, for the engine and for the vLLM proposer alike.
+  one way a compressed prefix gets into it, for the engine and for the vLLM proposer alike. A
+  *packed* draft cache keeps an int8 prefix as its codes instead (``packed``, attended by the
+  kernel of :mod:`.int8_attention`); its dense buffers then hold only the exact suffix.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..compressors import CompressedKV, KVCompressor
+from .int8_attention import Int8Prefix
 
 Tensor = torch.Tensor
 
@@ -36,6 +39,7 @@ class KVCache:
     v: Tensor
     base: list[int] = field(default_factory=list)
     n: int = 0
+    packed: Int8Prefix | None = None  # an int8 prefix before the dense entries (base stays 0)
 
     @classmethod
     def empty(cls, layers: int, heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
@@ -46,7 +50,8 @@ class KVCache:
 
     def clone(self) -> KVCache:
         """An independent copy (own buffers, same base and length)."""
-        return KVCache(self.k.clone(), self.v.clone(), list(self.base), self.n)
+        return KVCache(self.k.clone(), self.v.clone(), list(self.base), self.n,
+                       self.packed.clone() if self.packed is not None else None)
 
     @property
     def capacity(self) -> int:
@@ -54,6 +59,12 @@ class KVCache:
 
     def length(self, layer: int) -> int:
         return self.base[layer] + self.n
+
+    def read_bytes(self) -> int:
+        """Bytes of K/V one decode step over this cache reads (dense entries plus the int8 prefix)."""
+        per_entry = 2 * self.k.shape[1] * self.k.shape[3] * self.k.element_size()
+        dense = sum(self.length(li) for li in range(len(self.base))) * per_entry
+        return dense + (self.packed.nbytes if self.packed is not None else 0)
 
     def reserve(self, need: int) -> None:
         """Grow the buffers in place to hold ``need`` entries per layer (at least doubling, so a cache
@@ -106,8 +117,18 @@ def append_chunks(cache: KVCache, ckvs: Sequence[CompressedKV], compressor: KVCo
 
     The exact suffix is dropped (``n = 0``): its entries are where the prefix grows, and they are
     exact KV of positions the new chunks now cover in compressed form. The caller writes the exact
-    KV of the positions past the chunks again.
+    KV of the positions past the chunks again. A packed cache takes the chunks' int8 codes as they are.
     """
+    if cache.packed is not None:
+        packed = [compressor.int8_layers(ckv) for ckv in ckvs]
+        if all(p is not None for p in packed):
+            for layers in packed:
+                for li, codes in enumerate(layers):
+                    cache.packed.append(li, *codes)
+            cache.reserve(room)
+            cache.n = 0
+            return
+        raise ValueError(f"{compressor.name} chunks have no int8 codes: this draft cache cannot be packed")
     per_layer: list[list[tuple[Tensor, Tensor]]] = [[] for _ in cache.base]
     for ckv in ckvs:
         for li, lkv in enumerate(compressor.decompress(ckv)):

@@ -17,6 +17,7 @@ from ..backends import DualTierStore, TierError
 from ..backends.keys import KeySpace
 from ..compressors import CompressedKV, KVCompressor
 from .cache import append_chunks, poison_prefix
+from .int8_attention import Int8Prefix
 from .request import Request
 from .runtime import Runtime, Segment
 
@@ -30,8 +31,9 @@ class Prefiller:
     its prompt and new tokens (the longest round's drafts and n-gram guesses)."""
 
     def __init__(self, rt: Runtime, store: DualTierStore | None, compressor: KVCompressor, chunk_size: int,
-                 query_window: int, draft_room: int, key_space: KeySpace):
+                 query_window: int, draft_room: int, key_space: KeySpace, int8_draft: bool = False):
         self.rt, self.store, self.compressor, self.key_space = rt, store, compressor, key_space
+        self.int8_draft = int8_draft
         self.chunk_size, self.query_window, self.draft_room = chunk_size, query_window, draft_room
 
     def setup(self, r: Request, keys: list[str], draft: bool) -> Tensor | None:
@@ -151,6 +153,8 @@ class Prefiller:
             r.stats.compressed_bytes += ckv.nbytes
             r.stats.full_prefix_bytes += ckv.full_nbytes
         r.draft = self.rt.new_cache(0)
+        if self.int8_draft:
+            r.draft.packed = Int8Prefix.empty(self.rt.num_layers, self.rt.num_kv_heads, self.rt.head_dim)
         append_chunks(r.draft, ckvs, self.compressor, room=len(r.tokens) - r.prefix + r.max_new + self.draft_room)
         if r.full.n > r.prefix:  # prompt computed here: its exact suffix seeds the draft cache
             r.draft.write_suffix(0, *r.full.suffix(r.prefix, r.full.n))

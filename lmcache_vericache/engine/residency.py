@@ -67,7 +67,9 @@ class VerifyPool:
 
 
 def cache_nbytes(cache: KVCache | None) -> int:
-    return 0 if cache is None else cache.k.nbytes + cache.v.nbytes
+    if cache is None:
+        return 0
+    return cache.k.nbytes + cache.v.nbytes + (cache.packed.nbytes if cache.packed is not None else 0)
 
 
 class Residency:

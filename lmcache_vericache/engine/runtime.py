@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import int8_attention
 from .cache import KVCache
 from .hf_model import HfModel
 from .model import DecoderModel
@@ -48,16 +49,23 @@ def _flash_lse(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, T
     return ((s - lse[..., None]).exp().to(v.dtype) @ v), lse
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, n: int, scale: float) -> Tensor:
+def attend(q: Tensor, k: Tensor, v: Tensor, n: int, scale: float,
+           prefix: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Attention of the last ``n`` entries' queries ``q [n, Hq, D]`` over ``k``/``v`` ``[Hkv, S+n, D]``
-    (causal within the block). Returns ``[n, Hq*D]``."""
+    (causal within the block) and, if given, over an earlier part whose attention the caller computed
+    (``prefix``: out ``[Hkv, g*n, D]`` and log-sum-exp ``[Hkv, g*n]``, rows ``j*n + i`` for GQA group
+    member j and block token i; merged by log-sum-exp). Returns ``[n, Hq*D]``."""
     hkv, total, d = k.shape
     g = q.shape[1] // hkv
     qh = q.view(n, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, g, n, D]: query head = kv_head*g + j
-    if n == 1:
+    if n == 1 and prefix is None:
         # A single new token sees every cached entry: no mask at all, fused kernel, GQA groups as rows.
         out = F.scaled_dot_product_attention(qh.reshape(1, hkv, g, d), k[None], v[None], scale=scale)
         return out.reshape(1, hkv * g * d)
+    if n == 1:
+        out, lse = _flash_lse(qh.reshape(hkv, g, d), k, v, scale)
+        out, lse = _merge(out.float(), lse, *prefix)
+        return out.to(v.dtype).reshape(1, hkv * g * d)
     past = total - n
     kb, vb = k[:, past:], v[:, past:]
     s = (qh @ kb[:, None].transpose(-1, -2)).float() * scale  # [Hkv, g, n, n]
@@ -67,10 +75,18 @@ def attend(q: Tensor, k: Tensor, v: Tensor, n: int, scale: float) -> Tensor:
     if past:
         op, lse_p = _flash_lse(qh.reshape(hkv, g * n, d), k[:, :past], v[:, :past], scale)
         op, lse_p = op.view(hkv, g, n, d), lse_p.view(hkv, g, n)
-        m = torch.maximum(lse_p, lse_b)
-        wp, wb = (lse_p - m).exp(), (lse_b - m).exp()
-        out = ((op.float() * wp[..., None] + out.float() * wb[..., None]) / (wp + wb)[..., None]).to(v.dtype)
-    return out.permute(2, 0, 1, 3).reshape(n, hkv * g * d)
+        out, lse_b = _merge(op.float(), lse_p, out.float(), lse_b)
+    if prefix is not None:
+        po, plse = prefix
+        out, _ = _merge(out.float(), lse_b, po.view(hkv, g, n, d), plse.view(hkv, g, n))
+    return out.to(v.dtype).permute(2, 0, 1, 3).reshape(n, hkv * g * d)
+
+
+def _merge(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> tuple[Tensor, Tensor]:
+    """Attention over the union of two disjoint key sets from each set's output and log-sum-exp."""
+    m = torch.maximum(lse1, lse2)
+    w1, w2 = (lse1 - m).exp(), (lse2 - m).exp()
+    return (o1 * w1[..., None] + o2 * w2[..., None]) / (w1 + w2)[..., None], m + (w1 + w2).log()
 
 
 class Runtime:
@@ -113,6 +129,9 @@ class Runtime:
         cos, sin = m.rope(positions)
         cos, sin = cos[:, None], sin[:, None]  # [N, 1, D]: one rotation for every head
         captured = []
+        hkv, hd = self.num_kv_heads, self.head_dim
+        starts = [sum(s.n for s in segments[:i]) for i in range(len(segments))]
+        any_packed = any(s.cache.packed is not None for s in segments)
         for li in range(self.num_layers):
             q, k, v = m.qkv(li, m.input_norm(li, x))
             q, k = m.qk_norm(li, q, k)
@@ -120,13 +139,20 @@ class Runtime:
             k = k * cos + _rotate_half(k) * sin
             if capture_q:
                 captured.append(q[-capture_q:].transpose(0, 1))
-            outs, off = [], 0
+            # Packed (int8) prefixes of draft caches: one kernel call for all of this layer's segments.
+            packed = int8_attention.attention(
+                [(q[o:o + s.n].view(s.n, hkv, -1, hd).permute(1, 2, 0, 3).reshape(hkv, -1, hd), s.cache.packed, li)
+                 for s, o in zip(segments, starts) if s.cache.packed is not None], self.scale) if any_packed else []
+            outs, off, pi = [], 0, 0
             for seg in segments:
                 c, n = seg.cache, seg.n
                 at = c.length(li)
                 c.k[li, :, at:at + n] = k[off:off + n].transpose(0, 1)
                 c.v[li, :, at:at + n] = v[off:off + n].transpose(0, 1)
-                outs.append(attend(q[off:off + n], c.k[li, :, :at + n], c.v[li, :, :at + n], n, self.scale))
+                prefix = None
+                if c.packed is not None:
+                    prefix, pi = packed[pi], pi + 1
+                outs.append(attend(q[off:off + n], c.k[li, :, :at + n], c.v[li, :, :at + n], n, self.scale, prefix))
                 off += n
             x = x + m.o_proj(li, outs[0] if len(outs) == 1 else torch.cat(outs))
             x = x + m.mlp(li, m.post_attention_norm(li, x))

@@ -39,6 +39,7 @@ from .. import compressors
 from .. import metrics as M
 from ..backends import DualTierStore, StoreConfig
 from ..backends.keys import KeySpace, model_fingerprint
+from . import int8_attention
 from .horizon import DraftLen, Horizon, check_draft_len
 from .prefill import Prefiller
 from .proposer import NgramProposer
@@ -69,6 +70,10 @@ class VeriCacheEngine:
     where a request's full KV lives between verifications and how much KV may be resident; see
     :mod:`~.residency` (auto: resident unless the budget is too small for it).
 
+    ``int8_draft``: draft caches keep an int8 compressor's prefix as codes and attend over them with
+    the int8 kernel (:mod:`~.int8_attention`), reading 1 byte per element; ``None`` (default): where
+    the compressor stores int8 codes and the kernel builds on this machine.
+
     Chunk keys come from the shared key scheme (:class:`~lmcache_vericache.backends.keys.KeySpace`):
     the same prompt chunk has the same key in every host (LMCache plugin, L2 adapter) whose key
     space agrees: ``model_id`` (default: a digest of this model's weights), ``hash_scheme``
@@ -81,7 +86,8 @@ class VeriCacheEngine:
                  store: DualTierStore | StoreConfig | Mapping[str, Any] | str | None = None,
                  stagger: bool = True, ngram: NgramProposer | None = None, query_window: int = 32,
                  eos_ids: set[int] | None = None, model_id: str | None = None, full_kv: str = "auto",
-                 kv_budget_bytes: int | None = None, verify_buffers: int | None = None):
+                 kv_budget_bytes: int | None = None, verify_buffers: int | None = None,
+                 int8_draft: bool | None = None):
         self.rt = Runtime(model)
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -103,8 +109,9 @@ class VeriCacheEngine:
         self.key_space: KeySpace = config.key_space(
             model=config.model_id or model_fingerprint(model), dtype=self.rt.dtype, chunk_size=chunk_size)
         draft_room = max_draft_len + 2 + (ngram.num_tokens if ngram else 0)
+        self.int8_draft = self._int8_draft(int8_draft)
         self._prefiller = Prefiller(self.rt, self.store, self.compressor, chunk_size, query_window, draft_room,
-                                    self.key_space)
+                                    self.key_space, self.int8_draft)
         self._on_round: Callable[[Request], None] | None = None
 
     def _store_config(self, store: Any, compressor: str | None,
@@ -131,6 +138,24 @@ class VeriCacheEngine:
         if store == "resident":
             return config, None, False
         return config, config.build(), True
+
+    def _int8_draft(self, wanted: bool | None) -> bool:
+        """Whether draft caches keep an int8 prefix as codes (attended by the int8 kernel). Auto
+        (``None``): where the compressor stores int8 codes, on CPU, and the kernel builds."""
+        if wanted is not None and not isinstance(wanted, bool):
+            raise ValueError(f"int8_draft must be True, False or None (auto), got {wanted!r}")
+        if wanted is False:
+            return False
+        if not self.compressor.stores_int8_codes or self.rt.device.type != "cpu":
+            if wanted:
+                raise ValueError(f"int8_draft needs a compressor that stores int8 codes on CPU, not "
+                                 f"{self.compressor.name} on {self.rt.device.type}")
+            return False
+        if not int8_attention.available():
+            if wanted:
+                raise ValueError("int8_draft: the int8 attention kernel could not be built (see the log)")
+            return False
+        return True
 
     def chunk_keys(self, tokens: Sequence[int]) -> list[str]:
         """Store keys of the full chunks of ``tokens``, as every host names them."""
