@@ -74,7 +74,7 @@ def test_engine_and_store_metrics_equal_their_stats(tiny_model, tmp_path, one_th
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (300, 200)]
     before = snapshot()
     eng = VeriCacheEngine(tiny_model, "streamingllm", {"keep_ratio": 0.25}, chunk_size=64, draft_len=6,
-                          store={"capacity": "disk", "disk_path": str(tmp_path)})
+                          store={"capacity": "disk", "disk_path": str(tmp_path)}, full_kv="offload")
     results = eng.generate(prompts, 30)
     for key in eng.chunk_keys(prompts[0])[:2]:  # flip a byte in two full-chunk files
         f = eng.store.capacity._file(key + FULL_SUFFIX)
