@@ -1,7 +1,8 @@
 """Decode throughput of VeriCache vs plain full-KV decoding, measured in the same run, on SmolLM2 and
 real prompts (the first N tokens of large Python stdlib files, one file per request).
 
-Per (dtype, context, batch): plain full-KV decoding in the engine's runtime (the baseline), then
+Per (dtype, context, batch): plain full-KV decoding in the engine's runtime (the baseline, once for
+all methods), then
 VeriCache with each compressor (greedy): decode tokens/s (prefill excluded), speed-up, whether the
 tokens are identical to the baseline's, tokens per round, hidden swap fraction. Median of ``--reps``.
 
@@ -84,6 +85,14 @@ def teacher_forced(eng: VeriCacheEngine, prompt: list[int], cont: list[int], hor
     return emitted / rounds
 
 
+_T0 = time.perf_counter()
+
+
+def say(msg: str) -> None:
+    """Progress on stderr: what runs now and the time so far."""
+    print(f"[{(time.perf_counter() - _T0) / 60:5.1f} min] {msg}", file=sys.stderr, flush=True)
+
+
 def step_costs(model, eng: VeriCacheEngine, ps: list[list[int]], verify_len: int, reps: int) -> dict:
     """Median seconds of one batched forward over every request's full / draft cache (1 token each)
     and of a verify block of ``verify_len`` tokens over the full caches; KV entries each step reads."""
@@ -106,9 +115,8 @@ def step_costs(model, eng: VeriCacheEngine, ps: list[list[int]], verify_len: int
     t_full, t_draft = timed_forward(fulls, 1), timed_forward(drafts, 1)
     t_verify = timed_forward(fulls, verify_len)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())  # tied embeddings once
-    per_entry = rt.kv_bytes_per_token() // rt.num_layers  # one layer's K+V of one position
-    full_kv = sum(c.length(li) for c in fulls for li in range(rt.num_layers)) * per_entry
-    draft_kv = sum(c.length(li) for c in drafts for li in range(rt.num_layers)) * per_entry
+    full_kv = sum(c.read_bytes() for c in fulls)
+    draft_kv = sum(c.read_bytes() for c in drafts)
     bound = t_full * (weights + draft_kv) / (weights + full_kv)
     return dict(t_full_ms=1e3 * t_full, t_draft_ms=1e3 * t_draft, t_verify_ms=1e3 * t_verify,
                 verify_len=verify_len, draft_bound_ms=1e3 * bound, draft_vs_bound=t_draft / bound,
@@ -130,6 +138,8 @@ def main() -> None:
     ap.add_argument("--full-kv", default="auto", choices=["auto", "resident", "offload"],
                     help="where the full KV lives between verifications (engine full_kv)")
     ap.add_argument("--step-reps", type=int, default=3, help="repeats of each timed step (median)")
+    ap.add_argument("--int8-draft", default="auto", choices=["auto", "off"],
+                    help="int8 drafters attend over the codes with the int8 kernel (auto) or a dequantized copy")
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--accept-tokens", type=int, default=128, help="tokens for the acceptance study")
     ap.add_argument("--full", action="store_true", help="2k/4k/8k, batch 1/8, fp32/bf16, every method")
@@ -158,15 +168,21 @@ def main() -> None:
             for batch in map(int, args.batches.split(",")):
                 ps = prompts(tok, ctx, batch)
                 base = VeriCacheEngine(model, "int8", store="resident")
+                ref_s = []  # the baseline, once per (context, batch) for all methods (prefill is slow)
+                for _ in range(args.reps):
+                    say(f"{dtype} {ctx} b{batch}: full-KV baseline ({batch} prefills of {ctx} tokens, "
+                        f"{args.new_tokens} steps)")
+                    s, ref = timed(lambda base=base, ps=ps: base.reference(ps, args.new_tokens))
+                    ref_s.append(s)
                 for m, params in methods:
-                    ref_s, vc_s = [], []
-                    for _ in range(args.reps):  # interleaved: both see the same machine load
-                        s, ref = timed(lambda base=base, ps=ps: base.reference(ps, args.new_tokens))
-                        ref_s.append(s)
+                    vc_s = []
+                    for _ in range(args.reps):
+                        say(f"{dtype} {ctx} b{batch}: VeriCache {m}")
                         # A fresh engine (and store) per repeat: a reused one would find the prompt's
                         # prefix in its own store and skip the prefill the baseline pays.
                         eng = VeriCacheEngine(model, m, params, draft_len=draft_len, full_kv=args.full_kv,
-                                              store="resident" if args.source == "resident" else None)
+                                              store="resident" if args.source == "resident" else None,
+                                              int8_draft=False if args.int8_draft == "off" else None)
                         s, out = timed(lambda eng=eng, ps=ps: eng.generate(ps, args.new_tokens))
                         vc_s.append(s)
                     n_tok = sum(len(r.tokens) for r in ref)
@@ -184,8 +200,10 @@ def main() -> None:
                                verify_ms=1e3 * statistics.mean(s.verify_s / max(1, s.rounds) for s in st),
                                loops=[loops(r.tokens) for r in ref], full_kv=eng.last_run["full_kv"])
                     row["speedup"] = row["vericache_tok_s"] / row["full_tok_s"]
-                    row.update(step_costs(model, VeriCacheEngine(model, m, params, store="resident"), ps, 17,
-                                         args.step_reps))
+                    say(f"{dtype} {ctx} b{batch}: step costs of {m}")
+                    row.update(step_costs(model, VeriCacheEngine(
+                        model, m, params, store="resident", int8_draft=False if args.int8_draft == "off" else None),
+                        ps, 17, args.step_reps), int8_draft=eng.int8_draft)
                     rows.append(row)
                     print(_fmt(row), flush=True)
                     done_s = time.perf_counter() - t_start
