@@ -93,17 +93,27 @@ def say(msg: str) -> None:
     print(f"[{(time.perf_counter() - _T0) / 60:5.1f} min] {msg}", file=sys.stderr, flush=True)
 
 
-def step_costs(model, eng: VeriCacheEngine, ps: list[list[int]], verify_len: int, reps: int) -> dict:
+def prefilled(eng: VeriCacheEngine, ps: list[list[int]], room: int) -> list:
+    """Requests with resident full caches of the prompts (and their observation-window queries)."""
+    return eng._start(ps, room, Sampling(), 0, draft=True)
+
+
+def step_costs(model, eng: VeriCacheEngine, reqs: list, verify_lens: tuple[int, ...], reps: int) -> dict:
     """Median seconds of one batched forward over every request's full / draft cache (1 token each)
-    and of a verify block of ``verify_len`` tokens over the full caches; KV entries each step reads."""
-    reqs = eng._start(ps, verify_len + 2, Sampling(), 0, draft=True)  # resident caches of the prompts
-    rt = eng.rt
+    and of verify blocks of ``verify_lens`` tokens over the full caches; the bytes each step reads.
+    ``reqs``: prefilled requests (shared by the methods: each gets its own draft caches here)."""
+    rt, p = eng.rt, eng._prefiller
+    drafts = []
+    for r in reqs:  # this method's draft cache from the request's full cache, as a prefill makes it
+        r.draft, r.prefix = None, 0
+        p._layout_draft(r, [], p._store_prompt(r, [], r.queries))
+        drafts.append(r.draft)
 
     def timed_forward(caches, n):
         out = []
         for _ in range(reps):
             toks = torch.tensor([t for r in reqs for t in (r.tokens[-1:] * n)])
-            pos = torch.tensor([p for r in reqs for p in range(r.pos, r.pos + n)])
+            pos = torch.tensor([q for r in reqs for q in range(r.pos, r.pos + n)])
             t0 = time.perf_counter()
             rt.forward(toks, pos, [Segment(c, n) for c in caches])
             out.append(time.perf_counter() - t0)
@@ -111,17 +121,18 @@ def step_costs(model, eng: VeriCacheEngine, ps: list[list[int]], verify_len: int
                 c.n -= n  # roll back: every repeat sees the same cache
         return statistics.median(out)
 
-    fulls, drafts = [r.full for r in reqs], [r.draft for r in reqs]
+    fulls = [r.full for r in reqs]
     t_full, t_draft = timed_forward(fulls, 1), timed_forward(drafts, 1)
-    t_verify = timed_forward(fulls, verify_len)
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # tied embeddings once
+    t_verify = {n: timed_forward(fulls, n) for n in verify_lens}
+    weights = sum(q.numel() * q.element_size() for q in model.parameters())  # tied embeddings once
     full_kv = sum(c.read_bytes() for c in fulls)
     draft_kv = sum(c.read_bytes() for c in drafts)
     bound = t_full * (weights + draft_kv) / (weights + full_kv)
-    return dict(t_full_ms=1e3 * t_full, t_draft_ms=1e3 * t_draft, t_verify_ms=1e3 * t_verify,
-                verify_len=verify_len, draft_bound_ms=1e3 * bound, draft_vs_bound=t_draft / bound,
-                verify_vs_full=t_verify / t_full, weight_bytes=weights, full_kv_bytes=full_kv,
-                draft_kv_bytes=draft_kv)
+    n = max(verify_lens)
+    return dict(t_full_ms=1e3 * t_full, t_draft_ms=1e3 * t_draft, t_verify_ms=1e3 * t_verify[n], verify_len=n,
+                verify_vs_full_by_len={k: v / t_full for k, v in t_verify.items()},
+                draft_bound_ms=1e3 * bound, draft_vs_bound=t_draft / bound, verify_vs_full=t_verify[n] / t_full,
+                weight_bytes=weights, full_kv_bytes=full_kv, draft_kv_bytes=draft_kv)
 
 
 def main() -> None:
@@ -174,6 +185,8 @@ def main() -> None:
                         f"{args.new_tokens} steps)")
                     s, ref = timed(lambda base=base, ps=ps: base.reference(ps, args.new_tokens))
                     ref_s.append(s)
+                say(f"{dtype} {ctx} b{batch}: prefill for the step costs")
+                reqs = prefilled(VeriCacheEngine(model, methods[0][0], methods[0][1], store="resident"), ps, 18)
                 for m, params in methods:
                     vc_s = []
                     for _ in range(args.reps):
@@ -203,7 +216,7 @@ def main() -> None:
                     say(f"{dtype} {ctx} b{batch}: step costs of {m}")
                     row.update(step_costs(model, VeriCacheEngine(
                         model, m, params, store="resident", int8_draft=False if args.int8_draft == "off" else None),
-                        ps, 17, args.step_reps), int8_draft=eng.int8_draft)
+                        reqs, (5, 9, 17), args.step_reps), int8_draft=eng.int8_draft)
                     rows.append(row)
                     print(_fmt(row), flush=True)
                     done_s = time.perf_counter() - t_start

@@ -1,15 +1,23 @@
-"""Draft horizon L: fixed, or sized each round from measurements.
+"""Draft horizon L: fixed, or chosen each round from measurements.
 
-``auto``: the swap of the full prefix must hide behind drafting, so L >= L_min = ceil(T_swap /
-t_draft_step); above that, L follows acceptance: it doubles after a round that accepted every draft
-and drops to about 1.5x the recent accepted run after a rejection (drafting past the likely first
-mismatch is wasted work). The horizon only changes how many drafts are verified at once, never which
-tokens are emitted.
+``auto`` picks the L that maximizes the expected tokens per second of a round,
+
+    E(L) / (L * t_draft + v(L)),   E(L) = 1 + a + a^2 + ... + a^L,
+
+with ``a`` the measured per-token acceptance rate (accepted drafts over accept/reject trials),
+``t_draft`` the measured draft step and ``v(L) = v0 + v1 * (L + 1)`` the verify forward's cost fitted
+to recent rounds: near-constant where verifying is memory-bound (a GPU: L grows with acceptance),
+growing with L where it is compute-bound (a CPU verifying 17 tokens over 8k entries took 4 decode
+steps: L stays short). The swap of the full prefix must hide behind drafting, so L >= L_min =
+ceil(T_swap / t_draft). Until two different L were verified, L doubles after a round that accepted
+every draft and drops to about 1.5x the recent accepted run after a rejection. The horizon only
+changes how many drafts are verified at once, never which tokens are emitted.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 DraftLen = int | str
@@ -22,6 +30,10 @@ def check_draft_len(draft_len: DraftLen, max_len: int) -> None:
         raise ValueError(f"draft_len must be an int in [0, {max_len}] or 'auto', got {draft_len!r}")
 
 
+def _ema(old: float, new: float) -> float:
+    return new if old == 0 else 0.5 * old + 0.5 * new
+
+
 @dataclass
 class Horizon:
     draft_len: DraftLen = 16
@@ -31,6 +43,9 @@ class Horizon:
     _acc: float = field(init=False, default=0.0)
     _step_s: float = field(init=False, default=0.0)
     _swap_s: float = field(init=False, default=0.0)
+    _hits: float = field(init=False, default=0.0)  # decayed accept / reject counts
+    _trials: float = field(init=False, default=0.0)
+    _verifies: deque = field(init=False, default_factory=lambda: deque(maxlen=16))  # (tokens verified, s)
 
     def __post_init__(self) -> None:
         check_draft_len(self.draft_len, self.max_len)
@@ -42,18 +57,42 @@ class Horizon:
             return 1
         return min(self.max_len, math.ceil(self._swap_s / self._step_s))
 
-    def update(self, drafted: int, accepted: int, draft_step_s: float, swap_s: float) -> None:
-        """Record one round: ``accepted`` of ``drafted`` drafts, mean draft step and swap seconds."""
+    def verify_cost(self) -> tuple[float, float] | None:
+        """``(v0, v1)`` of ``v(L) = v0 + v1 * (L + 1)`` by least squares over recent rounds, or ``None``
+        until two different block sizes were verified."""
+        if len({n for n, _ in self._verifies}) < 2:
+            return None
+        k = len(self._verifies)
+        mx = sum(n for n, _ in self._verifies) / k
+        my = sum(v for _, v in self._verifies) / k
+        var = sum((n - mx) ** 2 for n, _ in self._verifies)
+        v1 = max(0.0, sum((n - mx) * (v - my) for n, v in self._verifies) / var)
+        return max(0.0, my - v1 * mx), v1
+
+    def update(self, drafted: int, accepted: int, draft_step_s: float, swap_s: float, verify_s: float = 0.0) -> None:
+        """Record one round: ``accepted`` of ``drafted`` drafts, mean draft step, swap and verify seconds."""
         if self.draft_len != "auto" or drafted == 0:
             return
-        ema = lambda old, new: new if old == 0 else 0.5 * old + 0.5 * new  # noqa: E731
-        self._acc = ema(self._acc, accepted)
+        self._acc = _ema(self._acc, accepted)
         if draft_step_s > 0:
-            self._step_s = ema(self._step_s, draft_step_s)
+            self._step_s = _ema(self._step_s, draft_step_s)
         if swap_s > 0:
-            self._swap_s = ema(self._swap_s, swap_s)
-        if accepted == drafted:
-            want = 2 * drafted
+            self._swap_s = _ema(self._swap_s, swap_s)
+        # accepted drafts are successes; the first rejected one (if any) a failure
+        self._hits = 0.8 * self._hits + accepted
+        self._trials = 0.8 * self._trials + accepted + (accepted < drafted)
+        if verify_s > 0:
+            self._verifies.append((drafted + 1, verify_s))
+        cost = self.verify_cost()
+        if cost is None or self._step_s <= 0:
+            want = 2 * drafted if accepted == drafted else math.ceil(1.5 * self._acc) + 1
         else:
-            want = math.ceil(1.5 * self._acc) + 1
+            want = self.best(self._hits / self._trials, self._step_s, *cost)
         self.L = max(self.l_min, min(self.max_len, want))
+
+    def best(self, a: float, t_draft: float, v0: float, v1: float) -> int:
+        """The L in [1, max_len] with the most expected tokens per second of a round."""
+        def rate(L: int) -> float:
+            expected = L + 1 if a >= 1 else (1 - a ** (L + 1)) / (1 - a)
+            return expected / (L * t_draft + v0 + v1 * (L + 1))
+        return max(range(1, self.max_len + 1), key=rate)

@@ -99,6 +99,7 @@ class Request:
     qs: list[torch.Tensor] = field(default_factory=list)
     swap: SwapIn | None = None
     round_draft_s: float = 0.0
+    round_verify_s: float = 0.0
     done: bool = False
     margins: list[float] = field(default_factory=list)
 

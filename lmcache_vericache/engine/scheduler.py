@@ -375,6 +375,7 @@ class VeriCacheEngine:
                 self._take_drafts(r, guesses, rows_r, sampling)
             else:
                 r.stats.verify_s += dt
+                r.round_verify_s = dt
                 self._verify(r, rows_r, sampling, res)
 
     @staticmethod
@@ -440,7 +441,7 @@ class VeriCacheEngine:
         r.stats.accepted.append(k)
         r.stats.drafted.append(drafted)
         step_s = r.round_draft_s / drafted if drafted else 0.0
-        r.horizon.update(drafted, k, step_s, r.swap.seconds if r.swap is not None else 0.0)
+        r.horizon.update(drafted, k, step_s, r.swap.seconds if r.swap is not None else 0.0, r.round_verify_s)
         r.swap = None
         emitted = r.stats.new_tokens
         self._emit(r, r.drafts[:k] + [nxt])
