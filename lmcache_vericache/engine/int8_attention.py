@@ -65,8 +65,9 @@ def available() -> bool:
 @dataclass
 class Int8Prefix:
     """A draft cache's compressed prefix as int8 codes, per layer (counts may differ per layer):
-    keys transposed ``kq [H, D, T_l]`` (the kernel reads each dimension along the tokens), values
-    ``vq [H, T_l, D]``, both int8, and ``ks``/``vs`` ``[H, T_l]`` float32 scales."""
+    keys blocked by 16 tokens ``kq [H, ceil(T_l/16), D, 16]`` (a block's scores accumulate in
+    registers; the last block is zero-padded), values ``vq [H, T_l, D]``, both int8, and
+    ``ks``/``vs`` ``[H, T_l]`` float32 scales."""
 
     kq: list[Tensor] = field(default_factory=list)
     ks: list[Tensor] = field(default_factory=list)
@@ -76,14 +77,16 @@ class Int8Prefix:
     @classmethod
     def empty(cls, layers: int, heads: int, head_dim: int) -> Int8Prefix:
         empty = lambda *shape, dtype=torch.int8: torch.empty(*shape, dtype=dtype)  # noqa: E731
-        return cls([empty(heads, head_dim, 0) for _ in range(layers)],
+        return cls([empty(heads, 0, head_dim, BLOCK) for _ in range(layers)],
                    [empty(heads, 0, dtype=torch.float32) for _ in range(layers)],
                    [empty(heads, 0, head_dim) for _ in range(layers)],
                    [empty(heads, 0, dtype=torch.float32) for _ in range(layers)])
 
     def append(self, layer: int, kq: Tensor, ks: Tensor, vq: Tensor, vs: Tensor) -> None:
         """Append one chunk's codes ``[H, n, D]`` and scales ``[H, n]`` (any float dtype) to a layer."""
-        self.kq[layer] = torch.cat([self.kq[layer], kq.transpose(1, 2)], dim=2).contiguous()
+        h, n, d = self.vq[layer].shape
+        keys = self.kq[layer].transpose(2, 3).reshape(h, -1, d)[:, :n]  # back to [H, T, D]
+        self.kq[layer] = _blocked(torch.cat([keys, kq], dim=1))
         self.vq[layer] = torch.cat([self.vq[layer], vq], dim=1).contiguous()
         self.ks[layer] = torch.cat([self.ks[layer], ks.float().reshape(ks.shape[0], -1)], dim=1).contiguous()
         self.vs[layer] = torch.cat([self.vs[layer], vs.float().reshape(vs.shape[0], -1)], dim=1).contiguous()
@@ -97,6 +100,18 @@ class Int8Prefix:
 
     def clone(self) -> Int8Prefix:
         return Int8Prefix(*[[t.clone() for t in part] for part in (self.kq, self.ks, self.vq, self.vs)])
+
+
+BLOCK = 16
+
+
+def _blocked(keys: Tensor) -> Tensor:
+    """``[H, T, D]`` -> ``[H, ceil(T/16), D, 16]``, zero-padded."""
+    h, t, d = keys.shape
+    pad = -t % BLOCK
+    if pad:
+        keys = torch.cat([keys, keys.new_zeros(h, pad, d)], dim=1)
+    return keys.view(h, -1, BLOCK, d).transpose(2, 3).contiguous()
 
 
 def attention(jobs: list[tuple[Tensor, Int8Prefix, int]], scale: float) -> list[tuple[Tensor, Tensor]]:
