@@ -18,6 +18,7 @@ import functools
 import hashlib
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,9 +46,13 @@ def _module():
     if os.environ.get("VERICACHE_NO_KERNELS"):
         logger.info("VERICACHE_NO_KERNELS is set: int8 drafters attend over a dequantized copy")
         return None
+    path = os.environ.get("PATH", "")
     try:
         from torch.utils.cpp_extension import load
 
+        # The build runs `ninja`: the pip one sits beside this interpreter, which a venv run without
+        # activation does not have on its PATH.
+        os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), path])
         # -march=native: the build is only valid on this kind of CPU, so its flags name it.
         tag = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CFLAGS).encode() + _cpu_flags().encode()).hexdigest()[:12]
         return load(name=f"vericache_int8_attention_{tag}", sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
@@ -55,6 +60,8 @@ def _module():
     except Exception as e:  # no compiler, no headers, a build error: fall back, say so once
         logger.warning("int8 attention kernel unavailable, int8 drafters attend over a dequantized copy: %s", e)
         return None
+    finally:
+        os.environ["PATH"] = path
 
 
 def available() -> bool:
