@@ -49,7 +49,7 @@ class Horizon:
 
     def __post_init__(self) -> None:
         check_draft_len(self.draft_len, self.max_len)
-        self.L = self.start_len if self.draft_len == "auto" else int(self.draft_len)
+        self.L = min(self.start_len, self.max_len) if self.draft_len == "auto" else int(self.draft_len)
 
     @property
     def l_min(self) -> int:
@@ -91,7 +91,9 @@ class Horizon:
         self.L = max(self.l_min, min(self.max_len, want))
 
     def best(self, a: float, t_draft: float, v0: float, v1: float) -> int:
-        """The L in [1, max_len] with the most expected tokens per second of a round."""
+        """The L in [1, max_len] with the most expected tokens per second of a round (0 if max_len is 0)."""
+        if self.max_len < 1:
+            return 0
         def rate(L: int) -> float:
             expected = L + 1 if a >= 1 else (1 - a ** (L + 1)) / (1 - a)
             return expected / (L * t_draft + v0 + v1 * (L + 1))

@@ -22,6 +22,7 @@ held plus its own estimate fits; the rest wait and are admitted as admitted ones
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable
 
 from .cache import KVCache
@@ -86,10 +87,13 @@ class Residency:
             raise ValueError("full_kv='offload' needs a store for the full KV (store='resident' has none)")
         if full_kv == "auto":
             # Resident needs a full and a draft cache per request (a draft cache is at most full size).
+            # A budget below one verify cache leaves resident, one request at a time, as the only choice.
             fits = kv_budget_bytes is None or 2 * n_requests * full_bytes <= kv_budget_bytes
-            full_kv = "resident" if fits or not has_store else "offload"
+            small = kv_budget_bytes is not None and kv_budget_bytes < full_bytes
+            full_kv = "resident" if fits or small or not has_store else "offload"
         self.mode = full_kv
         self.pool: VerifyPool | None = None
+        self.waiting: deque = deque()  # offload: requests waiting for a verify cache, oldest first
         if self.offload:
             # One verifies while another swaps; more only help when rounds are short next to swaps.
             # Under a budget the default pool takes at most a quarter of it: the rest is for drafts.

@@ -40,6 +40,7 @@ from .. import metrics as M
 from ..backends import DualTierStore, StoreConfig
 from ..backends.keys import KeySpace, model_fingerprint
 from . import int8_attention
+from .cache import KVCache
 from .horizon import DraftLen, Horizon, check_draft_len
 from .prefill import Prefiller
 from .proposer import NgramProposer
@@ -203,9 +204,9 @@ class VeriCacheEngine:
                 if not active:
                     break
                 self._track(active, res)
+                if res.offload:  # a request without a verify cache drafts meanwhile, up to its limit
+                    self._lease_waiting(res)
                 for r in active:
-                    if res.offload and r.full is None:
-                        self._lease(r, res)  # no free verify buffer at round start: drafts, retried here
                     # A cached prompt's first round drafts only while its exact prefix is still arriving:
                     # once it is in, verifying the tail at once gives the first token soonest.
                     if r.start < r.pos and r.swap is not None and r.swap.done:
@@ -245,7 +246,8 @@ class VeriCacheEngine:
         """Set up every prompt at once with resident caches (reference decoding, benchmarks)."""
         batch = self._batch(prompts, max_new)
         res = self._residency(batch, max_new, "resident")
-        return [self._setup(batch, i, max_new, sampling, seed, draft, res, time.perf_counter(), {})
+        twins: dict = {}
+        return [self._setup(batch, i, max_new, sampling, seed, draft, res, time.perf_counter(), twins)
                 for i in range(len(batch))]
 
     def _batch(self, prompts: Prompts, max_new: int) -> list[list[int]]:
@@ -280,6 +282,9 @@ class VeriCacheEngine:
             res.observe(r.draft, full_bytes)
             reqs.append(r)
             new.append(r)
+        for r in new:
+            if r.done:  # finished at set-up (one token, or EOS): its KV is not needed any more
+                r.full = r.draft = None
         return new
 
     def _setup(self, batch: list[list[int]], i: int, max_new: int, sampling: Sampling, seed: int, draft: bool,
@@ -330,17 +335,26 @@ class VeriCacheEngine:
     def _new_round(self, r: Request, res: Residency) -> None:
         r.drafts, r.qs, r.round_draft_s = [], [], 0.0
         r.limit = max(0, min(r.horizon.L, r.remaining - 1))
-        if res.offload:
-            self._lease(r, res)
+        if res.offload:  # a verify cache when its turn comes (first come, first served)
+            res.waiting.append(r)
         elif r.prefix_missing:  # resident: a prefix read from the store is swapped in once
             r.swap = SwapIn(self.store, r.keys, r.full, self.chunk_size)
 
-    def _lease(self, r: Request, res: Residency) -> None:
-        """Offload: take a verify cache from the pool (if one is free), copy in the exact suffix from
-        the draft cache and start swapping the full prefix from the store into it."""
-        full = res.pool.lease()
-        if full is None:
-            return
+    def _lease_waiting(self, res: Residency) -> None:
+        """Offload: hand free verify caches to the requests waiting longest. Each gets the exact
+        suffix copied in from its draft cache and starts swapping its full prefix from the store."""
+        while res.waiting:
+            r = res.waiting[0]
+            if r.done:
+                res.waiting.popleft()
+                continue
+            full = res.pool.lease()
+            if full is None:
+                return
+            res.waiting.popleft()
+            self._fill(r, full)
+
+    def _fill(self, r: Request, full: KVCache) -> None:
         n = r.start - r.prefix  # positions [prefix, start) are exact in the draft cache
         if n:
             k, v = r.draft.suffix(0, n)
