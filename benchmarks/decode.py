@@ -148,11 +148,13 @@ def main() -> None:
                     help="memory: a store holds the prompt chunks; resident: no store at all")
     ap.add_argument("--full-kv", default="auto", choices=["auto", "resident", "offload"],
                     help="where the full KV lives between verifications (engine full_kv)")
-    ap.add_argument("--step-reps", type=int, default=3, help="repeats of each timed step (median)")
+    ap.add_argument("--step-reps", type=int, default=3, help="repeats of each timed step (median; 0: skip them)")
+    ap.add_argument("--stagger", default="on", choices=["on", "off"],
+                    help="off: lock step (every request drafts, then all verify in one forward)")
     ap.add_argument("--int8-draft", default="auto", choices=["auto", "off"],
                     help="int8 drafters attend over the codes with the int8 kernel (auto) or a dequantized copy")
     ap.add_argument("--reps", type=int, default=1)
-    ap.add_argument("--accept-tokens", type=int, default=128, help="tokens for the acceptance study")
+    ap.add_argument("--accept-tokens", type=int, default=128, help="tokens for the acceptance study (0: skip it)")
     ap.add_argument("--full", action="store_true", help="2k/4k/8k, batch 1/8, fp32/bf16, every method")
     ap.add_argument("--name", default="decode")
     args = ap.parse_args()
@@ -185,8 +187,9 @@ def main() -> None:
                         f"{args.new_tokens} steps)")
                     s, ref = timed(lambda base=base, ps=ps: base.reference(ps, args.new_tokens))
                     ref_s.append(s)
-                say(f"{dtype} {ctx} b{batch}: prefill for the step costs")
-                reqs = prefilled(VeriCacheEngine(model, methods[0][0], methods[0][1], store="resident"), ps, 18)
+                if args.step_reps:
+                    say(f"{dtype} {ctx} b{batch}: prefill for the step costs")
+                    reqs = prefilled(VeriCacheEngine(model, methods[0][0], methods[0][1], store="resident"), ps, 18)
                 for m, params in methods:
                     vc_s = []
                     for _ in range(args.reps):
@@ -194,6 +197,7 @@ def main() -> None:
                         # A fresh engine (and store) per repeat: a reused one would find the prompt's
                         # prefix in its own store and skip the prefill the baseline pays.
                         eng = VeriCacheEngine(model, m, params, draft_len=draft_len, full_kv=args.full_kv,
+                                              stagger=args.stagger == "on",
                                               store="resident" if args.source == "resident" else None,
                                               int8_draft=False if args.int8_draft == "off" else None)
                         s, out = timed(lambda eng=eng, ps=ps: eng.generate(ps, args.new_tokens))
@@ -213,16 +217,20 @@ def main() -> None:
                                verify_ms=1e3 * statistics.mean(s.verify_s / max(1, s.rounds) for s in st),
                                loops=[loops(r.tokens) for r in ref], full_kv=eng.last_run["full_kv"])
                     row["speedup"] = row["vericache_tok_s"] / row["full_tok_s"]
-                    say(f"{dtype} {ctx} b{batch}: step costs of {m}")
-                    row.update(step_costs(model, VeriCacheEngine(
-                        model, m, params, store="resident", int8_draft=False if args.int8_draft == "off" else None),
-                        reqs, (5, 9, 17), args.step_reps), int8_draft=eng.int8_draft)
+                    if args.step_reps:
+                        say(f"{dtype} {ctx} b{batch}: step costs of {m}")
+                        row.update(step_costs(model, VeriCacheEngine(
+                            model, m, params, store="resident", int8_draft=False if args.int8_draft == "off" else None),
+                            reqs, (5, 9, 17), args.step_reps))
+                    row["int8_draft"] = eng.int8_draft
                     rows.append(row)
                     print(_fmt(row), flush=True)
                     done_s = time.perf_counter() - t_start
                     print(f"[{len(rows)}/{todo}] {done_s / 60:.1f} min, about "
                           f"{done_s / len(rows) * (todo - len(rows)) / 60:.1f} min left (acceptance study after)",
                           file=sys.stderr, flush=True)
+        if args.accept_tokens == 0:
+            continue
         # acceptance three ways: batch 1, first context
         ctx = int(args.contexts.split(",")[0])
         [p] = prompts(tok, ctx, 1, cont=args.accept_tokens)
@@ -241,12 +249,16 @@ def main() -> None:
                   flush=True)
     OUT.mkdir(exist_ok=True)
     meta = dict(**machine_info(), new_tokens=args.new_tokens, draft_len=args.draft_len, source=args.source,
-                full_kv=args.full_kv, reps=args.reps, step_reps=args.step_reps)
+                full_kv=args.full_kv, reps=args.reps, step_reps=args.step_reps, stagger=args.stagger)
     (OUT / f"{args.name}.json").write_text(json.dumps(dict(meta=meta, throughput=rows, acceptance=accept_rows), indent=1))
     _plot(rows, OUT / f"{args.name}.png")
 
 
 def _fmt(r: dict) -> str:
+    if "t_full_ms" not in r:  # --step-reps 0
+        return (f"{r['dtype']:<8} ctx {r['context']:>5} b {r['batch']} {r['method']:<14} {r['ratio']:>5}x  "
+                f"full {r['full_tok_s']:6.1f} tok/s  vericache {r['vericache_tok_s']:6.1f} tok/s  x{r['speedup']:.2f}  "
+                f"identical {r['identical']}  tok/round {r['tokens_per_round']:5.1f}  [{r['full_kv']}]")
     return (f"{r['dtype']:<8} ctx {r['context']:>5} b {r['batch']} {r['method']:<14} {r['ratio']:>5}x  "
             f"full {r['full_tok_s']:6.1f} tok/s  vericache {r['vericache_tok_s']:6.1f} tok/s  x{r['speedup']:.2f}  "
             f"identical {r['identical']}  tok/round {r['tokens_per_round']:5.1f}  hidden {100 * r['hidden_swap']:.0f}%  "
