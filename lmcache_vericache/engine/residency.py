@@ -111,9 +111,11 @@ class Residency:
     def offload(self) -> bool:
         return self.mode == "offload"
 
-    def held_bytes(self, caches: Iterable[KVCache | None]) -> int:
-        """Resident KV: the given per-request caches plus the whole verify pool."""
-        return sum(cache_nbytes(c) for c in caches) + (self.pool.nbytes if self.pool else 0)
+    def held_bytes(self, requests: Iterable) -> int:
+        """Resident KV of ``requests`` (their draft caches, and their full caches unless those are
+        pooled) plus the whole verify pool."""
+        own = sum(cache_nbytes(r.draft) + (0 if self.offload else cache_nbytes(r.full)) for r in requests)
+        return own + (self.pool.nbytes if self.pool else 0)
 
     def admits(self, held: int, full_bytes: int, first: bool) -> bool:
         """Whether a request whose full cache takes ``full_bytes`` may start while ``held`` bytes are

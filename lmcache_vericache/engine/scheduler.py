@@ -271,7 +271,7 @@ class VeriCacheEngine:
         twins: dict[tuple[int, ...], tuple[Request, Tensor | None]] = {}  # nothing decodes in between
         while pending:
             running = [r for r in reqs if not r.done]
-            held = res.held_bytes([r.draft for r in running] + ([] if res.offload else [r.full for r in running]))
+            held = res.held_bytes(running)
             full_bytes = self._capacity(batch[pending[0]], max_new) * self.rt.kv_bytes_per_token()
             if not res.admits(held, full_bytes, first=not running):
                 break
@@ -328,8 +328,7 @@ class VeriCacheEngine:
     def _track(self, active: list[Request], res: Residency) -> None:
         run = self.last_run
         run["max_active"] = max(run["max_active"], len(active))
-        held = res.held_bytes([r.draft for r in active] + ([] if res.offload else [r.full for r in active]))
-        run["peak_kv_bytes"] = max(run["peak_kv_bytes"], held)
+        run["peak_kv_bytes"] = max(run["peak_kv_bytes"], res.held_bytes(active))
 
     # -- rounds -----------------------------------------------------------------------------------
     def _new_round(self, r: Request, res: Residency) -> None:
