@@ -7,7 +7,7 @@ import pytest
 import torch
 from engine_helpers import random_prompts
 
-from lmcache_vericache.engine import Runtime, VeriCacheEngine, int8_attention
+from lmcache_vericache.engine import VeriCacheEngine, int8_attention
 from lmcache_vericache.engine.runtime import attend
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
@@ -89,4 +89,3 @@ def test_int8_draft_option(tiny_model):
     with pytest.raises(ValueError, match="True, False or None"):
         VeriCacheEngine(tiny_model, "int8", int8_draft="yes")
     assert not VeriCacheEngine(tiny_model, "kivi").int8_draft  # 2-bit codes: dequantized copy
-    assert Runtime(tiny_model).device.type == "cpu"
