@@ -187,6 +187,18 @@ class TokenEvictor(_Validated, ABC):
     @abstractmethod
     def select(self, kv: Tensor, ctx: CompressionContext) -> list[Tensor]: ...
 
+    # -- per-layer buffers stored beside ``pos`` (a sample's inclusion probabilities) ------------
+    def select_with_extras(self, kv: Tensor, ctx: CompressionContext) -> tuple[list[Tensor], list[dict[str, Tensor]]]:
+        """``select`` plus, per layer, buffers to store beside ``pos`` (default: none)."""
+        return self.select(kv, ctx), [{} for _ in range(kv.shape[1])]
+
+    def extra_layout(self, num_kv_heads: int, n_tokens: int, n_kept: int) -> Layout:
+        """Name -> (dtype, shape) of one layer's extra buffers (what ``select_with_extras`` writes)."""
+        return {}
+
+    def check_extras(self, extras: dict[str, Tensor], pos: Tensor) -> None:
+        """Raise ``ValueError`` unless one layer's extra buffers (layout already checked) are usable."""
+
     # -- validation of untrusted chunks (see KVCompressor.check) ------------------------------
     def kept_counts(self, shape: tuple[int, int, int, int], num_kv_heads: int) -> list[int] | None:
         """Tokens kept per layer in a chunk of ``shape`` ``[2, L, T, H*D]``, or ``None`` where the
@@ -294,7 +306,7 @@ class KVCompressor(_Validated):
             raise ValueError(f"scores must be [L, H, T]={n_layers, num_kv_heads, n_tokens}, got {tuple(scores.shape)}")
 
         evictor, quantizer = self.evictor(), self.quantizer()
-        keep = evictor.select(kv, ctx) if evictor is not None else None
+        keep, extras = evictor.select_with_extras(kv, ctx) if evictor is not None else (None, None)
         buffers: dict[str, Tensor] = {}
         for layer in range(n_layers):
             k = kv[0, layer].view(n_tokens, num_kv_heads, head_dim).transpose(0, 1)
@@ -304,6 +316,8 @@ class KVCompressor(_Validated):
                 gather = idx.unsqueeze(-1).expand(-1, -1, head_dim)
                 k, v = k.gather(1, gather), v.gather(1, gather)
                 buffers[f"L{layer}.pos"] = idx.to(torch.int32).contiguous()
+                for name, buf in extras[layer].items():
+                    buffers[f"L{layer}.{name}"] = buf
             if quantizer is not None:
                 parts = quantizer.encode(k.contiguous(), v.contiguous())
             else:
@@ -335,7 +349,7 @@ class KVCompressor(_Validated):
             return None
         out = []
         for parts in ckv.buffers_by_layer():
-            parts.pop("pos", None)
+            self._evictor_buffers(parts)
             codes = quantizer.int8_codes(parts)
             if codes is None:
                 return None
@@ -349,7 +363,7 @@ class KVCompressor(_Validated):
         heads, head_dim = ckv.num_kv_heads, ckv.head_dim
         out = []
         for parts in ckv.buffers_by_layer():
-            pos = parts.pop("pos", None)
+            pos = self._evictor_buffers(parts)
             if pos is None:
                 pos = torch.arange(ckv.num_tokens).expand(heads, -1)
             n = pos.shape[1]
@@ -359,6 +373,14 @@ class KVCompressor(_Validated):
                 k, v = parts["k"], parts["v"]
             out.append(LayerKV(k, v, pos.to(torch.int64) + ckv.start))
         return out
+
+    def _evictor_buffers(self, parts: dict[str, Tensor]) -> Tensor | None:
+        """Remove ``pos`` and the evictor's extra buffers from one layer's ``parts``; return ``pos``."""
+        evictor = self.evictor()
+        if evictor is not None:
+            for name in evictor.extra_layout(1, 1, 1):
+                parts.pop(name, None)
+        return parts.pop("pos", None)
 
     def check(self, ckv: CompressedKV) -> None:
         """Raise ``ValueError`` unless ``ckv`` holds exactly what ``compress`` writes for its
@@ -393,6 +415,14 @@ class KVCompressor(_Validated):
                 if counts is None and not 1 <= n <= n_tokens:
                     raise ValueError(f"layer {layer}: {n} kept tokens, not within 1..{n_tokens}")
                 evictor.check_positions(pos, n_tokens)
+                extra_layout = evictor.extra_layout(heads, n_tokens, n)
+                extras = {name: parts.pop(name, None) for name in extra_layout}
+                for name, (want_dtype, want_shape) in extra_layout.items():
+                    b = extras[name]
+                    if b is None or b.dtype != want_dtype or tuple(b.shape) != want_shape:
+                        got = None if b is None else f"{b.dtype} {tuple(b.shape)}"
+                        raise ValueError(f"buffer L{layer}.{name}: {got}, the method writes {want_dtype} {want_shape}")
+                evictor.check_extras(extras, pos)
             layer_shape = (heads, n, head_dim)
             if quantizer is not None:
                 expected = _LAYOUTS.get(("layout", repr(quantizer), layer_shape, dtype),

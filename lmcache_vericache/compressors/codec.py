@@ -70,7 +70,7 @@ import torch
 from .base import CompressedKV
 
 MAGIC = b"VCKV"
-VERSION = 1
+VERSION = 2  # 2: poissoncomp chunks hold per-head samples with their inclusion probabilities
 _PREFIX = struct.Struct("<4sHI")
 DIGEST_SIZE = 16
 ALIGN = 16

@@ -1,18 +1,25 @@
 """PoissonComp: Poisson sampling of tokens with importance-proportional inclusion probabilities.
 
-From VerKV (PoissonComp + KVFetch); the formulas used are the ones below. Importance ``tau`` comes from
-``ctx.scores``, else by KVzip's precedence (queries by max attention, else the key-norm proxy; see
-``kvzip.py``), normalized to [0, 1]. Tokens in ``H`` (absolute positions < ``n_sink`` and the
-chunk's last ``n_local``, both cut to fit the budget, sinks first) are kept with probability 1;
-every other token i independently with ``r_i = min(1, c * tau_i)``, ``c`` found by bisection so that
-``sum r_i = keep_ratio * T - |H|``: the expected number kept is the budget, the actual number varies.
+From VerKV (PoissonComp + KVFetch: query-agnostic compression with (epsilon, delta)-verified
+attention; docs/verkv.md), written from its equations. Importance ``tau`` comes from ``ctx.scores``, else by KVzip's
+precedence (queries by max attention, else the key-norm proxy; see ``kvzip.py``), normalized to
+[0, 1] per KV head. Tokens in ``H`` (absolute positions < ``n_sink`` and the chunk's last
+``n_local``, both cut to fit the budget, sinks first) are kept with probability 1; every other token
+i of head h independently with ``r_hi = min(1, c_h * tau_hi)``, ``c_h`` found by bisection so that
+``sum_i r_hi = keep_ratio * T - |H|``: the expected number kept is the budget, the actual varies.
 
-One sample per layer, shared by its KV heads: the format needs equal counts across the heads of a
-layer (layers may differ), and independent per-head samples would only meet that by padding or
-trimming, which breaks the inclusion probabilities. So ``tau`` is the max over heads of each head's
-normalized score (a token kept for one head is kept for all), and the sample is an exact Poisson
-sample with known ``r``. The ``r`` are not stored (the format holds no extra eviction buffers);
-``inclusion_probabilities`` recomputes them from the same scores for KVFetch-style estimators.
+Each KV head draws its own independent Bernoulli sample, as the paper specifies. The format stores
+one ``[H, n]`` block per layer, so heads that drew fewer tokens are padded up to the layer's largest
+sample with unsampled tokens (the likeliest first). Per layer the chunk stores, beside ``pos`` and
+the exact K/V of the stored tokens:
+
+* ``r``  float16 ``[H, T]``: every token's inclusion probability (1 on ``H``), rounded to float16
+  *before* sampling, so the stored ``r`` are exactly the ones the sample was drawn with;
+* ``in`` uint8 ``[H, n]``: 1 where the stored token belongs to the sample (or ``H``), 0 for padding.
+
+A plain drafter attends to every stored token (padding is real, exact KV: it only keeps a few more);
+the estimator of :mod:`lmcache_vericache.engine.certificate` uses ``r`` and ``in`` and ignores the
+padding, whose choice depends on the sample (using it would bias the estimator).
 
 The generator is seeded with ``seed`` and the chunk's ``start``: the same chunk always gives the same
 sample, different chunks of one prefix get independent ones.
@@ -25,11 +32,13 @@ from dataclasses import dataclass
 import torch
 
 from . import register
-from .base import CompressionContext, KVCompressor, TokenEvictor, budget, check_ratio
+from .base import CompressionContext, KVCompressor, Layout, TokenEvictor, budget, check_ratio
 from .kvzip import kvzip_scores
 
+Tensor = torch.Tensor
 
-def inclusion_probabilities(tau: torch.Tensor, target: float, iters: int = 64) -> torch.Tensor:
+
+def inclusion_probabilities(tau: Tensor, target: float, iters: int = 64) -> Tensor:
     """``r = min(1, c * tau)`` along the last axis with ``c`` per row such that ``sum r = target``.
 
     ``tau``: ``[..., n]`` nonnegative; zeros never get picked, so the sum saturates at the number of
@@ -65,37 +74,58 @@ class PoissonComp(KVCompressor, TokenEvictor):
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{field} must be an int >= 0, got {value!r}")
 
-    def probabilities(self, kv: torch.Tensor, ctx: CompressionContext) -> torch.Tensor:
-        """Inclusion probabilities ``[L, T]`` (1 on ``H``)."""
+    def probabilities(self, kv: Tensor, ctx: CompressionContext) -> Tensor:
+        """Inclusion probabilities ``[L, H, T]`` float64 (1 on ``H``), float16-representable."""
         n_tokens = kv.shape[2]
         tau = kvzip_scores(kv, ctx)
         if (tau < 0).any():
             raise ValueError("poissoncomp needs nonnegative importance scores")
         top = tau.amax(-1, keepdim=True)
-        tau = torch.where(top > 0, tau / top.clamp_min(1e-30), torch.ones_like(tau)).amax(1)  # [L, T]
+        tau = torch.where(top > 0, tau / top.clamp_min(1e-30), torch.ones_like(tau))
         k = budget(n_tokens, self.keep_ratio)
         pos = torch.arange(n_tokens)
         sinks = (pos + ctx.start < self.n_sink) & (pos < k)  # H fits the budget, sinks first
         n_local = min(self.n_local, k - int(sinks.sum()))
         hard = sinks | (pos >= n_tokens - n_local) if n_local else sinks
-        target = k - int(hard.sum())
-        return inclusion_probabilities(tau.masked_fill(hard, 0.0), target).masked_fill(hard, 1.0)
+        r = inclusion_probabilities(tau.masked_fill(hard, 0.0), k - int(hard.sum())).masked_fill(hard, 1.0)
+        return r.half().double()  # what is stored is what is sampled with
+
+    def sample(self, kv: Tensor, ctx: CompressionContext) -> tuple[Tensor, Tensor]:
+        """``(r, z)``: inclusion probabilities and the Poisson sample (bool), both ``[L, H, T]``."""
+        r = self.probabilities(kv, ctx)
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + ctx.start)
+        return r, torch.rand(r.shape, generator=gen, dtype=torch.float64) < r
+
+    def select_with_extras(self, kv: Tensor, ctx: CompressionContext) -> tuple[list[Tensor], list[dict[str, Tensor]]]:
+        r, z = self.sample(kv, ctx)
+        keep, extras = [], []
+        for layer_r, layer_z in zip(r, z):
+            n = max(1, int(layer_z.sum(-1).max()))  # an empty layer cannot be attended to: pad one
+            # Sampled tokens first (rank 2), then padding by r (likeliest first), then the rest.
+            rank = layer_z.double() * 2 + layer_r
+            idx = rank.topk(n, dim=-1).indices.sort(dim=-1).values
+            keep.append(idx)
+            extras.append({"r": layer_r.half().contiguous(), "in": layer_z.gather(1, idx).to(torch.uint8).contiguous()})
+        return keep, extras
+
+    def select(self, kv: Tensor, ctx: CompressionContext) -> list[Tensor]:
+        return self.select_with_extras(kv, ctx)[0]
 
     def kept_counts(self, shape, num_kv_heads):
         return None  # a Poisson sample: each layer keeps 1..T tokens
 
-    def check_positions(self, pos: torch.Tensor, n_tokens: int) -> None:
-        super().check_positions(pos, n_tokens)
-        if pos.shape[0] > 1 and not bool((pos == pos[:1]).all()):
-            raise ValueError("poissoncomp keeps the same tokens in every head of a layer; these differ")
+    def extra_layout(self, num_kv_heads: int, n_tokens: int, n_kept: int) -> Layout:
+        return {"r": (torch.float16, (num_kv_heads, n_tokens)), "in": (torch.uint8, (num_kv_heads, n_kept))}
 
-    def select(self, kv: torch.Tensor, ctx: CompressionContext) -> list[torch.Tensor]:
-        r = self.probabilities(kv, ctx)
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + ctx.start)
-        keep = torch.rand(r.shape, generator=gen, dtype=torch.float64) < r
-        out = []
-        for layer_keep, layer_r in zip(keep, r):
-            if not layer_keep.any():  # an empty layer cannot be attended to: keep its likeliest token
-                layer_keep[layer_r.argmax()] = True
-            out.append(layer_keep.nonzero().squeeze(1).expand(ctx.num_kv_heads, -1).contiguous())
-        return out
+    def check_extras(self, extras: dict[str, Tensor], pos: Tensor) -> None:
+        r, member = extras["r"], extras["in"]
+        if not bool(torch.isfinite(r).all()) or bool((r < 0).any()) or bool((r > 1).any()):
+            raise ValueError("inclusion probabilities must be finite and within [0, 1]")
+        if bool((member > 1).any()):
+            raise ValueError("sample membership flags must be 0 or 1")
+        if bool((r.gather(1, pos.long())[member == 1] <= 0).any()):
+            raise ValueError("a sampled token has inclusion probability 0")
+        sure = torch.zeros_like(member, dtype=torch.bool).new_zeros(r.shape)
+        sure.scatter_(1, pos.long(), member == 1)
+        if bool(((r == 1) & ~sure).any()):
+            raise ValueError("a token kept for sure (r = 1) is not stored as sampled")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lmcache_vericache import compressors
+from lmcache_vericache.compressors import codec
 from lmcache_vericache.compressors.base import CompressionContext, LayerKV, budget, split_heads
 from lmcache_vericache.compressors.poissoncomp import inclusion_probabilities
 from lmcache_vericache.compressors.scoring import key_norm_score, window_attention
@@ -200,17 +201,21 @@ def test_poissoncomp_probabilities_sum_to_the_budget():
     kv = make_kv(3, 64)
     c = compressors.get("poissoncomp", keep_ratio=0.25, n_sink=4, n_local=8)
     r = c.probabilities(kv, CompressionContext(H))
-    assert torch.allclose(r.sum(-1), torch.full((3,), 16.0, dtype=torch.float64))
-    assert torch.all(r[:, :4] == 1) and torch.all(r[:, -8:] == 1)
+    assert r.shape == (3, H, 64)
+    assert torch.allclose(r.sum(-1), torch.full((3, H), 16.0, dtype=torch.float64), atol=0.05)  # float16 r
+    assert torch.all(r[..., :4] == 1) and torch.all(r[..., -8:] == 1)
+    assert torch.equal(r, r.half().double())  # stored exactly as sampled
 
 
-def test_poissoncomp_is_seeded():
+def test_poissoncomp_is_seeded_and_samples_each_head_independently():
     kv = make_kv(2, 128)
     a, b = kept("poissoncomp", kv, seed=1), kept("poissoncomp", kv, seed=1)
     c = kept("poissoncomp", kv, seed=2)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert any(x.shape != y.shape or not torch.equal(x, y) for x, y in zip(a, c))
-    assert all(torch.equal(x[0], x[h]) for x in a for h in range(H))  # one sample per layer
+    ctx = CompressionContext(H, scores=torch.ones(2, H, 128))  # equal r in every head
+    _, z = compressors.get("poissoncomp", seed=3).sample(kv, ctx)
+    assert not torch.equal(z[:, 0], z[:, 1])  # one Bernoulli sample per KV head
 
 
 def test_poissoncomp_inclusion_frequency_matches_r():
@@ -218,27 +223,50 @@ def test_poissoncomp_inclusion_frequency_matches_r():
     params = {"keep_ratio": 0.25, "n_sink": 2, "n_local": 2}
     r = compressors.get("poissoncomp", **params).probabilities(kv, CompressionContext(H, scores=scores))[0]
     runs = 400
-    hits, sizes = torch.zeros(48), []
+    hits, sizes = torch.zeros(H, 48), []
     for seed in range(runs):
-        pos = kept("poissoncomp", kv, scores=scores, seed=seed, **params)[0][0]
-        hits[pos] += 1
-        sizes.append(len(pos))
+        z = compressors.get("poissoncomp", seed=seed, **params).sample(kv, CompressionContext(H, scores=scores))[1][0]
+        hits += z
+        sizes.append(int(z[0].sum()))
     assert (hits / runs - r.float()).abs().max() < 0.1  # binomial sd <= 0.025
     assert abs(sum(sizes) / runs - 12) < 0.5  # expected size = budget
     assert len(set(sizes)) > 1  # Poisson sampling: the size varies
+
+
+def test_poissoncomp_stores_the_sample_padding_and_probabilities():
+    kv, scores = make_kv(2, 64), torch.rand(2, H, 64)
+    c = compressors.get("poissoncomp", keep_ratio=0.25, n_sink=2, n_local=2, seed=5)
+    ckv = c.compress(kv, H, scores=scores)
+    r, z = c.sample(kv, CompressionContext(H, scores=scores))
+    for layer, parts in enumerate(ckv.buffers_by_layer()):
+        assert torch.equal(parts["r"].double(), r[layer])
+        pos, member = parts["pos"].long(), parts["in"].bool()
+        for h in range(H):
+            assert set(pos[h][member[h]].tolist()) == set(z[layer, h].nonzero().flatten().tolist())
+            assert not z[layer, h, pos[h][~member[h]]].any()  # padding: tokens outside the sample
+        assert pos.shape[1] == int(z[layer].sum(-1).max())
+    codec.validate(codec.from_bytes(codec.to_bytes(ckv)))
+    for name, bad in (("r", lambda b: b.fill_(2.0)), ("in", lambda b: b.fill_(3)),
+                      ("r", lambda b: b.fill_(0.0))):
+        broken = codec.from_bytes(codec.to_bytes(ckv))
+        bad(broken.buffers[f"L0.{name}"])
+        with pytest.raises(codec.CodecError):
+            codec.validate(broken)
 
 
 def test_poissoncomp_keeps_sinks_only_in_the_first_chunk_and_never_zero_scores():
     kv, scores = make_kv(1, 64), torch.rand(1, H, 64)
     scores[..., 10:20] = 0.0
     for seed in range(20):
-        first = kept("poissoncomp", kv, scores=scores, seed=seed, n_sink=4, n_local=4)[0][0]
+        z = compressors.get("poissoncomp", seed=seed, n_sink=4, n_local=4).sample(
+            kv, CompressionContext(H, scores=scores))[1][0, 0]
+        first = z.nonzero().flatten()
         assert set(range(4)) | set(range(60, 64)) <= set(first.tolist())
         assert not set(range(10, 20)) & set(first.tolist())
     later = compressors.get("poissoncomp", n_sink=4, n_local=4).probabilities(
         kv, CompressionContext(H, start=64, scores=scores)
     )
-    assert torch.all(later[0, -4:] == 1) and torch.all(later[0, :4] < 1)
+    assert torch.all(later[0, :, -4:] == 1) and torch.all(later[0, :, :4] < 1)
 
 
 def test_poissoncomp_rejects_negative_scores():

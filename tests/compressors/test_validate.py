@@ -201,21 +201,18 @@ def test_positions_must_be_in_the_chunk_and_ascending(name, bad, match):
     rejected(ckv, match)
 
 
-def test_poissoncomp_counts_are_bounded_and_heads_agree():
+def test_poissoncomp_counts_are_bounded_and_the_sample_is_consistent():
     ckv = make("poissoncomp", {"keep_ratio": 0.25})
     C.validate(ckv)
-    n = ckv.buffers["L0.pos"].shape[1]
-    for name in ("L0.pos", "L0.k", "L0.v"):  # fewer tokens: still a possible sample
-        ckv.buffers[name] = ckv.buffers[name][:, : n - 1].contiguous()
-    C.validate(ckv)
-    for name in ("L0.pos", "L0.k", "L0.v"):  # none: not one
+    for name in ("L0.pos", "L0.k", "L0.v", "L0.in"):  # none: not one
         ckv.buffers[name] = ckv.buffers[name][:, :0].contiguous()
     rejected(ckv, "0 kept tokens, not within 1..32")
     other = make("poissoncomp", {"keep_ratio": 0.25})
-    pos = other.buffers["L1.pos"]
-    pos[1, 0] = (pos[1, 1] - 1) if pos[1, 1] > pos[1, 0] + 1 else pos[1, 0]
-    if not torch.equal(pos[0], pos[1]):
-        rejected(other, "same tokens in every head")
+    other.buffers["L1.in"] = other.buffers["L1.in"][:, :-1].contiguous()
+    rejected(other, "buffer L1.in")
+    sure = make("poissoncomp", {"keep_ratio": 0.25})
+    sure.buffers["L0.in"].zero_()  # the sinks and local tokens (r = 1) are no longer in the sample
+    rejected(sure, "kept for sure")
 
 
 @pytest.mark.parametrize("name,params,buffer", [
