@@ -87,15 +87,18 @@ def prefill(rt: Runtime, ids: list[int], room: int) -> tuple[KVCache, torch.Tens
     return full, logits[0], q.cpu()
 
 
-def greedy(rt: Runtime, cache: KVCache, first: int, pos: int, steps: int) -> tuple[list[int], torch.Tensor]:
-    """``steps`` greedy tokens on ``cache`` starting from ``first`` (already chosen) at ``pos``; the
-    log-softmax of every step after the first ``[steps - 1, V]``. Advances the cache."""
-    toks, lps = [first], []
+def greedy(rt: Runtime, caches: list[KVCache], first: int, pos: int, steps: int) -> tuple[list[list[int]], torch.Tensor]:
+    """``steps`` greedy tokens on each of ``caches`` (one flat batch per step: the step reads the
+    weights once for all of them), starting from ``first`` (already chosen) at ``pos``; per cache
+    the log-softmax of every step after the first ``[caches, steps - 1, V]``. Advances the caches."""
+    toks, lps = [[first] for _ in caches], []
     for i in range(steps - 1):
-        logits, _ = rt.forward(torch.tensor([toks[-1]]), torch.tensor([pos + i]), [Segment(cache, 1)])
-        lps.append(F.log_softmax(logits[0], -1))
-        toks.append(int(logits[0].argmax()))
-    return toks, torch.stack(lps) if lps else torch.empty(0)
+        logits, _ = rt.forward(torch.tensor([t[-1] for t in toks]), torch.full((len(caches),), pos + i),
+                               [Segment(c, 1) for c in caches])
+        lps.append(F.log_softmax(logits, -1))
+        for t, row in zip(toks, logits):
+            t.append(int(row.argmax()))
+    return toks, torch.stack(lps, 1)
 
 
 def lossy_cache(rt: Runtime, full: KVCache, n: int, comp, queries: torch.Tensor, room: int) -> tuple[KVCache, list]:
@@ -169,24 +172,26 @@ def main() -> None:
     rt, ps = Runtime(model), prompts(tok, n, args.prompts)
     res: dict[str, dict[str, Any]] = {m: dict(method=m, params=methods[m], prompts=[]) for m in names}
     full_tokens: list[list[int]] = []
-    todo, done, t_start = len(ps) * (len(names) + 1), 0, time.perf_counter()
+    todo, done, t_start = len(ps), 0.0, time.perf_counter()
 
-    def progress(msg: str) -> None:
+    def progress(msg: str, part: float) -> None:
+        """``part``: the rough share of a prompt's time this piece took (ETA from prompts done)."""
         nonlocal done
-        done += 1
+        done += part
         el = time.perf_counter() - t_start
-        say(f"[{done}/{todo}] {msg}; about {el / done * (todo - done) / 60:.1f} min left"
+        say(f"[{done:.1f}/{todo} prompts] {msg}; about {el / done * (todo - done) / 60:.1f} min left"
             + (" (then the VeriCache row)" if args.vericache else ""))
 
     for pi, ids in enumerate(ps):
         full, last, queries = prefill(rt, ids, steps + 2)
         first, lp0 = int(last.argmax()), F.log_softmax(last, -1)
-        ref, _ = greedy(rt, full.clone(), first, n, steps)  # full-KV greedy of this prompt
+        [ref], _ = greedy(rt, [full.clone()], first, n, steps)  # full-KV greedy of this prompt, alone
         full_tokens.append(ref)
-        progress(f"prompt {pi} ({FILES[pi]}): full-KV greedy")
-        for m in names:
-            draft, ckvs = lossy_cache(rt, full, n, comps[m], queries, steps + 2)
-            toks, lossy_lp = greedy(rt, draft, first, n, steps)
+        progress(f"prompt {pi} ({FILES[pi]}): full-KV greedy", 0.2)
+        drafts, chunks = zip(*(lossy_cache(rt, full, n, comps[m], queries, steps + 2) for m in names))
+        all_toks, all_lp = greedy(rt, list(drafts), first, n, steps)  # every method's lossy decoding
+        progress(f"prompt {pi}: lossy decoding with {len(names)} methods", 0.5)
+        for m, ckvs, toks, lossy_lp in zip(names, chunks, all_toks, all_lp):
             # teacher-forced full-KV forward over the lossy tokens: row i is the step i+1 distribution
             logits, _ = rt.forward(torch.tensor(toks[:-1]), torch.arange(n, n + steps - 1), [Segment(full, steps - 1)])
             full.n = n  # roll back: the next method sees the prompt alone
@@ -202,8 +207,10 @@ def main() -> None:
                                      first_divergence=div, agreement=sum(a == b for a, b in zip(toks, ref)) / steps,
                                      tf_top1=(full_lp[1:].argmax(-1) == torch.tensor(toks[1:])).float().mean().item(),
                                      tokens=toks))
-            progress(f"prompt {pi} {m}: mean KL {kl.mean():.4f} nats/step, first divergence {div}")
-    for m, r in res.items():
+            say(f"prompt {pi} {m}: mean KL {kl.mean():.4f} nats/step, first divergence {div}")
+        del drafts, chunks, all_lp
+        progress(f"prompt {pi}: teacher-forced full-KV distributions", 0.3)
+    for r in res.values():
         kls = torch.tensor([p["kl"] for p in r["prompts"]])
         at = min(KL_AT, steps) - 1
         r.update(mean_kl_per_step=kls.mean().item(), cum_kl=kls[:, :at + 1].sum(1).mean().item(), cum_kl_step=at + 1,
@@ -280,7 +287,7 @@ def _plot(rows: list[dict], path: Path) -> None:
         kl = torch.tensor(r["mean_kl_curve"])
         smooth = F.avg_pool1d(kl[1:][None, None], 8, 1, 0, count_include_pad=False)[0, 0] if len(kl) > 8 else kl[1:]
         label = f"{r['method']} ({r['ratio_bf16']:.1f}x)"
-        a.plot(range(1, 1 + len(smooth)), smooth.clamp_min(1e-7).tolist(), label=label, lw=1)
+        a.plot([i + (4.5 if len(kl) > 8 else 1) for i in range(len(smooth))], smooth.clamp_min(1e-7).tolist(), label=label, lw=1)
         b.plot(range(len(kl)), kl.cumsum(0).tolist(), label=label, lw=1)
     a.set(yscale="log", xlabel="decode step", ylabel="KL(full || lossy), nats (running mean of 8)",
           title="per-step drift (mean over prompts)")

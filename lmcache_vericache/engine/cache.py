@@ -10,7 +10,8 @@ A request has two caches of the same shape (:class:`KVCache`):
   positions after it (the open chunk, a window, the committed suffix). :func:`append_chunks` is the
   one way a compressed prefix gets into it, for the engine and for the vLLM proposer alike. A
   *packed* draft cache keeps an int8 prefix as its codes instead (``packed``, attended by the
-  kernel of :mod:`.int8_attention`); its dense buffers then hold only the exact suffix.
+  kernel of :mod:`.int8_attention`), and a *certified* one keeps a PoissonComp prefix with its full
+  KV for KVFetch (:mod:`.kvfetch`); their dense buffers then hold only the exact suffix.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from ..compressors import CompressedKV, KVCompressor
 from .int8_attention import Int8Prefix
+from .kvfetch import CertifiedPrefix
 
 Tensor = torch.Tensor
 
@@ -39,7 +41,7 @@ class KVCache:
     v: Tensor
     base: list[int] = field(default_factory=list)
     n: int = 0
-    packed: Int8Prefix | None = None  # an int8 prefix before the dense entries (base stays 0)
+    packed: Int8Prefix | CertifiedPrefix | None = None  # a prefix attended by its own code (base stays 0)
 
     @classmethod
     def empty(cls, layers: int, heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
@@ -111,14 +113,24 @@ def kv_to_2ltd(k: Tensor, v: Tensor) -> Tensor:
     return torch.stack([k, v]).permute(0, 1, 3, 2, 4).reshape(2, layers, t, heads * d)
 
 
-def append_chunks(cache: KVCache, ckvs: Sequence[CompressedKV], compressor: KVCompressor, room: int = 0) -> None:
+def append_chunks(cache: KVCache, ckvs: Sequence[CompressedKV], compressor: KVCompressor, room: int = 0,
+                  full: Sequence[Tensor] | None = None) -> None:
     """Decompress ``ckvs`` (consecutive chunks, in order) onto the compressed prefix of a draft cache
     and leave ``room`` free entries after the longest layer's prefix.
 
     The exact suffix is dropped (``n = 0``): its entries are where the prefix grows, and they are
     exact KV of positions the new chunks now cover in compressed form. The caller writes the exact
-    KV of the positions past the chunks again. A packed cache takes the chunks' int8 codes as they are.
+    KV of the positions past the chunks again. A packed cache takes the chunks' int8 codes as they are;
+    a certified (KVFetch) one takes each chunk with its full KV ``full`` (``KV_2LTD``, the full tier).
     """
+    if isinstance(cache.packed, CertifiedPrefix):
+        if full is None or len(full) != len(ckvs):
+            raise ValueError("a KVFetch prefix needs every chunk's full KV beside its compressed copy")
+        for ckv, kv in zip(ckvs, full):
+            cache.packed.append(ckv, kv)
+        cache.reserve(room)
+        cache.n = 0
+        return
     if cache.packed is not None:
         packed = [compressor.int8_layers(ckv) for ckv in ckvs]
         if all(p is not None for p in packed):

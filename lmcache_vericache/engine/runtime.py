@@ -22,9 +22,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import int8_attention
+from . import int8_attention, kvfetch
 from .cache import KVCache
 from .hf_model import HfModel
+from .int8_attention import Int8Prefix
+from .kvfetch import CertifiedPrefix
 from .model import DecoderModel
 
 Tensor = torch.Tensor
@@ -80,6 +82,20 @@ def attend(q: Tensor, k: Tensor, v: Tensor, n: int, scale: float,
         po, plse = prefix
         out, _ = _merge(out.float(), lse_b, po.view(hkv, g, n, d), plse.view(hkv, g, n))
     return out.to(v.dtype).permute(2, 0, 1, 3).reshape(n, hkv * g * d)
+
+
+def prefix_attention(jobs: list[tuple[Tensor, object, int]], scale: float) -> list[tuple[Tensor, Tensor]]:
+    """``(out, lse)`` of each job ``(q [Hkv, m, D], prefix, layer)`` over a draft cache's ``packed``
+    prefix: an :class:`~.int8_attention.Int8Prefix` (batched in one kernel call) or a
+    :class:`~.kvfetch.CertifiedPrefix`."""
+    res: list[tuple[Tensor, Tensor] | None] = [None] * len(jobs)
+    for kind, attention in ((Int8Prefix, int8_attention.attention), (CertifiedPrefix, kvfetch.attention)):
+        mine = [i for i, job in enumerate(jobs) if isinstance(job[1], kind)]
+        for i, out in zip(mine, attention([jobs[i] for i in mine], scale) if mine else []):
+            res[i] = out
+    if any(x is None for x in res):
+        raise TypeError(f"no attention for prefix {next(type(j[1]) for j, x in zip(jobs, res) if x is None)}")
+    return res  # type: ignore[return-value]
 
 
 def _merge(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> tuple[Tensor, Tensor]:
@@ -139,8 +155,8 @@ class Runtime:
             k = k * cos + _rotate_half(k) * sin
             if capture_q:
                 captured.append(q[-capture_q:].transpose(0, 1))
-            # Packed (int8) prefixes of draft caches: one kernel call for all of this layer's segments.
-            packed = int8_attention.attention(
+            # Prefixes attended by their own code (int8 codes, KVFetch): one call per kind and layer.
+            packed = prefix_attention(
                 [(q[o:o + s.n].view(s.n, hkv, -1, hd).permute(1, 2, 0, 3).reshape(hkv, -1, hd), s.cache.packed, li)
                  for s, o in zip(segments, starts) if s.cache.packed is not None], self.scale) if any_packed else []
             outs, off, pi = [], 0, 0

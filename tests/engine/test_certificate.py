@@ -19,13 +19,14 @@ def case(rows: int = 4, n: int = 40, seed: int = 0):
 
 def test_two_token_case_by_hand():
     # w = (1, 1), r = (1/2, 1/2): lambda = clip(beta), beta = 2 (1 - lambda) -> beta = lambda = 2/3.
-    w, r, in_l = torch.ones(1, 2), torch.full((1, 2), 0.5), torch.ones(1, 2, dtype=torch.bool)
+    w, r = torch.ones(1, 2, dtype=torch.float64), torch.full((1, 2), 0.5, dtype=torch.float64)
+    in_l = torch.ones(1, 2, dtype=torch.bool)
     lam, beta = shrinkage(w, r, in_l)
     assert torch.allclose(lam, torch.full((1, 2), 2 / 3, dtype=torch.float64)) and math.isclose(beta.item(), 2 / 3)
     l = math.log(2 / 0.1)
     v, b = 2 * (4 / 9) * 1 * (0.5 / 0.5), (2 / 3) * 2 * 0.5  # V and b of lemma 1
     want = (2 / 3 + b * l / 3 + math.sqrt((b * l / 3) ** 2 + 2 * v * l)) / 2
-    assert math.isclose(epsilon_hat(w, r, in_l, lam, beta, torch.tensor([2.0]), 0.1).item(), want, rel_tol=1e-9)
+    assert math.isclose(epsilon_hat(w, r, in_l, lam, beta, torch.tensor([2.0], dtype=torch.float64), 0.1).item(), want, rel_tol=1e-9)
 
 
 def test_shrinkage_is_the_fixed_point_and_minimizes_the_mse():
