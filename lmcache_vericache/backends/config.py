@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from .tiers.base import CapacityTier
 
 CAPACITY_TIERS = ("disk", "nixl", "redis", "redis_cluster", "lm", "memory")
+MODES = ("exact", "verkv")
+SKETCH_BITS = (2, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,16 @@ class StoreConfig:
     # MAC-tagged, and values written without it are rejected. The secret itself never sits in a
     # config file.
     mac_key_env: str | None = None
+    # Decoding over this store's chunks (docs/verkv.md). "exact": VeriCache, output identical to
+    # full-KV decoding. "verkv": certified approximate (KVFetch attention, no verification; faster,
+    # not identical). kvfetch_draft: the exact mode drafts with KVFetch attention. Both need
+    # poissoncomp chunks. epsilon / delta: the certificate's tolerance and failure probability;
+    # sketch_bits: bits of the key sketch KVFetch weighs non-resident tokens with (None: exact keys).
+    mode: str = "exact"
+    kvfetch_draft: bool = False
+    epsilon: float = 0.05
+    delta: float = 0.1
+    sketch_bits: int | None = 2
 
     def __repr__(self) -> str:
         """The dataclass repr, with passwords in URLs as ``***``."""
@@ -102,6 +114,30 @@ class StoreConfig:
             raise ValueError("model_id must not be empty")
         if self.mac_key_env is not None and not self.mac_key_env:
             raise ValueError("mac_key_env must not be empty")
+        self._validate_verkv()
+
+    @property
+    def uses_kvfetch(self) -> bool:
+        """Whether decoding attends with KVFetch (verkv mode, or the exact mode's KVFetch drafter)."""
+        return self.mode == "verkv" or self.kvfetch_draft
+
+    def _validate_verkv(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if not isinstance(self.kvfetch_draft, bool):
+            raise ValueError(f"kvfetch_draft must be true or false, got {self.kvfetch_draft!r}")
+        if isinstance(self.epsilon, bool) or not isinstance(self.epsilon, (int, float)) or not self.epsilon > 0:
+            raise ValueError(f"epsilon must be a number > 0, got {self.epsilon!r}")
+        if isinstance(self.delta, bool) or not isinstance(self.delta, (int, float)) or not 0 < self.delta < 1:
+            raise ValueError(f"delta must be a number in (0, 1), got {self.delta!r}")
+        if self.sketch_bits is not None and (isinstance(self.sketch_bits, bool) or self.sketch_bits not in SKETCH_BITS):
+            raise ValueError(f"sketch_bits must be null (exact keys) or one of {SKETCH_BITS}, got {self.sketch_bits!r}")
+        evicts = self.compressor == "poissoncomp" or (
+            self.compressor == "compose" and self.compressor_params.get("evict") == "poissoncomp")
+        if self.uses_kvfetch and not evicts:
+            what = "mode 'verkv'" if self.mode == "verkv" else "kvfetch_draft"
+            raise ValueError(f"{what} needs compressor 'poissoncomp' (its chunks carry the inclusion "
+                             f"probabilities KVFetch uses), got {self.compressor!r}")
 
     def _validate_cluster(self) -> None:
         from .tiers.base import redact

@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..backends.config import SKETCH_BITS
 from ..compressors import CompressedKV
 from ..compressors.packing import dequantize, quantize
 from .certificate import estimate, fetch_plan, shrinkage
 
 Tensor = torch.Tensor
-SKETCH_BITS = (2, 4, 8)
 
 
 @dataclass

@@ -18,6 +18,7 @@ from ..backends.keys import KeySpace
 from ..compressors import CompressedKV, KVCompressor
 from .cache import append_chunks, poison_prefix
 from .int8_attention import Int8Prefix
+from .kvfetch import CertifiedPrefix
 from .request import Request
 from .runtime import Runtime, Segment
 
@@ -31,9 +32,11 @@ class Prefiller:
     its prompt and new tokens (the longest round's drafts and n-gram guesses)."""
 
     def __init__(self, rt: Runtime, store: DualTierStore | None, compressor: KVCompressor, chunk_size: int,
-                 query_window: int, draft_room: int, key_space: KeySpace, int8_draft: bool = False):
+                 query_window: int, draft_room: int, key_space: KeySpace, int8_draft: bool = False,
+                 kvfetch: dict | None = None):
         self.rt, self.store, self.compressor, self.key_space = rt, store, compressor, key_space
         self.int8_draft = int8_draft
+        self.kvfetch = kvfetch  # CertifiedPrefix options: draft caches attend with KVFetch
         self.chunk_size, self.query_window, self.draft_room = chunk_size, query_window, draft_room
 
     def setup(self, r: Request, keys: list[str], draft: bool) -> Tensor | None:
@@ -46,10 +49,15 @@ class Prefiller:
         if self.store is not None:
             # At least one prompt token stays uncached: its forward yields the first token.
             cached = self.store.get_compressed_prefix(keys[:(len(r.tokens) - 1) // c])
+            full = None
+            if cached and self.kvfetch is not None:  # KVFetch reads the full tier: have it now or prefill
+                full = [self.store.get_full(k) for k in keys[:len(cached)]]
+                if any(f is None for f in full):
+                    cached = []
             if cached:
                 r.full.n = len(cached) * c  # the exact prefix arrives by the swap, before the first verify
                 r.stats.cached_chunks = len(cached)
-                self._layout_draft(r, keys, cached)
+                self._layout_draft(r, keys, cached, full)
                 # Poisoned: a verification that skipped the swap cannot pass.
                 r.prefix_missing = True
                 poison_prefix(r.full, r.prefix)
@@ -119,7 +127,7 @@ class Prefiller:
                 r.exact_only = True
                 return
             room = r.full.n - (p + c) + r.remaining + self.draft_room
-            append_chunks(r.draft, [ckv], self.compressor, room=room)
+            append_chunks(r.draft, [ckv], self.compressor, room=room, full=[kv])
             r.prefix = p + c
             r.draft.write_suffix(0, *r.full.suffix(r.prefix, r.full.n))
             r.draft.n = r.full.n - r.prefix
@@ -145,9 +153,11 @@ class Prefiller:
                 break
         return self.store.get_compressed_prefix(keys[:n])
 
-    def _layout_draft(self, r: Request, keys: list[str], ckvs: list[CompressedKV]) -> None:
+    def _layout_draft(self, r: Request, keys: list[str], ckvs: list[CompressedKV],
+                      full: list[Tensor] | None = None) -> None:
         """Draft cache: the compressed chunks, then the exact suffix (what the full cache holds past
-        the prefix)."""
+        the prefix). A KVFetch draft cache also takes the chunks' full KV (``full``, default: the
+        full cache's)."""
         r.prefix, r.keys = len(ckvs) * self.chunk_size, keys[:len(ckvs)]
         for ckv in ckvs:
             r.stats.compressed_bytes += ckv.nbytes
@@ -155,7 +165,12 @@ class Prefiller:
         r.draft = self.rt.new_cache(0)
         if self.int8_draft:
             r.draft.packed = Int8Prefix.empty(self.rt.num_layers, self.rt.num_kv_heads, self.rt.head_dim)
-        append_chunks(r.draft, ckvs, self.compressor, room=len(r.tokens) - r.prefix + r.max_new + self.draft_room)
+        if self.kvfetch is not None:
+            r.draft.packed = CertifiedPrefix(self.rt.num_layers, **self.kvfetch)
+            c = self.chunk_size
+            full = full or [r.full.to_2ltd(i * c, (i + 1) * c) for i in range(len(ckvs))]
+        append_chunks(r.draft, ckvs, self.compressor, room=len(r.tokens) - r.prefix + r.max_new + self.draft_room,
+                      full=full)
         if r.full.n > r.prefix:  # prompt computed here: its exact suffix seeds the draft cache
             r.draft.write_suffix(0, *r.full.suffix(r.prefix, r.full.n))
             r.draft.n = r.full.n - r.prefix

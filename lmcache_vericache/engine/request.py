@@ -36,6 +36,7 @@ class RequestStats:
     ttft_s: float = 0.0  # from the start of generate() to the request's first emitted token
     compressed_bytes: int = 0
     full_prefix_bytes: int = 0
+    kvfetch: dict[str, float] | None = None  # KVFetch counters (verkv mode, KVFetch drafter); see engine/kvfetch.py
 
     @property
     def mean_accepted(self) -> float:

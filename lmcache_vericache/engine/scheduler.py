@@ -42,6 +42,7 @@ from ..backends.keys import KeySpace, model_fingerprint
 from . import int8_attention
 from .cache import KVCache
 from .horizon import DraftLen, Horizon, check_draft_len
+from .kvfetch import CertifiedPrefix
 from .prefill import Prefiller
 from .proposer import NgramProposer
 from .request import Request, Result
@@ -71,6 +72,11 @@ class VeriCacheEngine:
     where a request's full KV lives between verifications and how much KV may be resident; see
     :mod:`~.residency` (auto: resident unless the budget is too small for it).
 
+    ``mode`` (``"exact"``, default, or ``"verkv"``) and ``verkv`` (``kvfetch_draft``, ``epsilon``,
+    ``delta``, ``sketch_bits``): the store config's decoding keys (docs/verkv.md). ``"verkv"`` decodes
+    with KVFetch-certified attention over PoissonComp chunks and no verification: faster, *not*
+    identical to full-KV decoding. ``kvfetch_draft`` keeps the exact mode and drafts with KVFetch.
+
     ``int8_draft``: draft caches keep an int8 compressor's prefix as codes and attend over them with
     the int8 kernel (:mod:`~.int8_attention`), reading 1 byte per element; ``None`` (default): where
     the compressor stores int8 codes and the kernel builds on this machine.
@@ -88,7 +94,8 @@ class VeriCacheEngine:
                  stagger: bool = True, ngram: NgramProposer | None = None, query_window: int = 32,
                  eos_ids: set[int] | None = None, model_id: str | None = None, full_kv: str = "auto",
                  kv_budget_bytes: int | None = None, verify_buffers: int | None = None,
-                 int8_draft: bool | None = None):
+                 int8_draft: bool | None = None, mode: str | None = None,
+                 verkv: Mapping[str, Any] | None = None):
         self.rt = Runtime(model)
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -97,7 +104,10 @@ class VeriCacheEngine:
         self.full_kv, self.kv_budget_bytes, self.verify_buffers = full_kv, kv_budget_bytes, verify_buffers
         #: Facts of the last ``generate()``: resolved mode, verify buffers, most requests at once, peak KV.
         self.last_run: dict[str, Any] = {}
-        config, self.store, self._owns_store = self._store_config(store, compressor, compressor_params)
+        config, self.store, self._owns_store = self._store_config(store, compressor, compressor_params, mode, verkv)
+        self.mode = config.mode
+        kvfetch = (dict(epsilon=config.epsilon, delta=config.delta, sketch_bits=config.sketch_bits)
+                   if config.uses_kvfetch else None)
         self.compressor = (self.store.compressor if self.store is not None
                            else compressors.get(config.compressor, **config.compressor_params))
         if full_kv == "offload" and self.store is None:
@@ -112,13 +122,20 @@ class VeriCacheEngine:
         draft_room = max_draft_len + 2 + (ngram.num_tokens if ngram else 0)
         self.int8_draft = self._int8_draft(int8_draft)
         self._prefiller = Prefiller(self.rt, self.store, self.compressor, chunk_size, query_window, draft_room,
-                                    self.key_space, self.int8_draft)
+                                    self.key_space, self.int8_draft and kvfetch is None, kvfetch)
         self._on_round: Callable[[Request], None] | None = None
 
-    def _store_config(self, store: Any, compressor: str | None,
-                      params: dict[str, Any] | None) -> tuple[StoreConfig, DualTierStore | None, bool]:
-        """(config, store, owned). The config names the compressor and key settings in every case."""
+    def _store_config(self, store: Any, compressor: str | None, params: dict[str, Any] | None, mode: str | None,
+                      verkv: Mapping[str, Any] | None) -> tuple[StoreConfig, DualTierStore | None, bool]:
+        """(config, store, owned). The config names the compressor, key and decoding settings in every case."""
         heads = self.rt.num_kv_heads
+        if verkv is not None and not isinstance(verkv, Mapping):
+            raise ValueError(f"verkv must be a mapping of VerKV options, got {type(verkv).__name__}")
+        decoding = dict(verkv or {}) | ({} if mode is None else {"mode": mode})
+        unknown = set(decoding) - {"mode", "kvfetch_draft", "epsilon", "delta", "sketch_bits"}
+        if unknown:
+            raise ValueError(f"verkv: unknown option(s) {sorted(unknown)}; known: kvfetch_draft, epsilon, delta, "
+                             "sketch_bits")
         if isinstance(store, DualTierStore):
             ours = store.compressor
             given = compressors.get(compressor, **(params or {})) if compressor is not None else ours
@@ -127,7 +144,10 @@ class VeriCacheEngine:
                                  f"{ours.params()}; pass compressor=None to use the store's")
             if store.num_kv_heads != heads:
                 raise ValueError(f"store has num_kv_heads={store.num_kv_heads}, the model {heads}")
-            return (StoreConfig(store.compressor.name, heads, store.compressor.params()), store, False)
+            config = StoreConfig.parse({"compressor": store.compressor.name, "num_kv_heads": heads,
+                                        "compressor_params": store.compressor.params(), **decoding},
+                                       where="VeriCacheEngine")
+            return config, store, False
         if isinstance(store, str) and store != "resident":
             raise ValueError(f"store must be a DualTierStore, a StoreConfig, a mapping or 'resident', got {store!r}")
         values = {} if store in (None, "resident") else _fields(store)
@@ -135,6 +155,7 @@ class VeriCacheEngine:
             values["compressor"] = compressor
         if params is not None:
             values["compressor_params"] = params
+        values.update(decoding)
         config = StoreConfig.parse(values, where="VeriCacheEngine store config").with_heads(heads)
         if store == "resident":
             return config, None, False
@@ -200,6 +221,10 @@ class VeriCacheEngine:
                         self._new_round(r, res)
                         if stagger and r.idx % 2 and r.limit > 1:
                             r.limit //= 2  # a half-length first round puts odd requests out of phase
+                if self.mode == "verkv":  # no verification: a round's drafts are the output
+                    for r in reqs:
+                        if not r.done and len(r.drafts) >= r.limit:
+                            self._commit_unverified(r, res)
                 active = [r for r in reqs if not r.done]
                 if not active:
                     break
@@ -284,7 +309,7 @@ class VeriCacheEngine:
             new.append(r)
         for r in new:
             if r.done:  # finished at set-up (one token, or EOS): its KV is not needed any more
-                r.full = r.draft = None
+                self._release(r)
         return new
 
     def _setup(self, batch: list[list[int]], i: int, max_new: int, sampling: Sampling, seed: int, draft: bool,
@@ -319,6 +344,8 @@ class VeriCacheEngine:
         if res.offload:  # the full KV now lives in the store and the draft cache's exact suffix
             res.pool.release(r.full)
             r.full = None
+        if draft and self.mode == "verkv":  # never verified: KVFetch reads full chunks of its own
+            r.full = None
         if draft:
             M.ENGINE_REQUESTS.inc()
             M.ENGINE_CACHED.inc(r.stats.cached_chunks)
@@ -333,6 +360,9 @@ class VeriCacheEngine:
     # -- rounds -----------------------------------------------------------------------------------
     def _new_round(self, r: Request, res: Residency) -> None:
         r.drafts, r.qs, r.round_draft_s = [], [], 0.0
+        if self.mode == "verkv":  # every token comes from the (certified) drafter
+            r.limit = max(0, min(r.horizon.L, r.remaining))
+            return
         r.limit = max(0, min(r.horizon.L, r.remaining - 1))
         if res.offload:  # a verify cache when its turn comes (first come, first served)
             res.waiting.append(r)
@@ -472,9 +502,33 @@ class VeriCacheEngine:
             res.pool.release(r.full)
             r.full = None
         if r.done:
-            r.full = r.draft = None  # resident KV is freed as each request ends
+            self._release(r)
         else:
             self._new_round(r, res)
+
+    def _commit_unverified(self, r: Request, res: Residency) -> None:
+        """verkv mode: emit the round's drafts as they are (certified attention, no verification)."""
+        drafted = len(r.drafts)
+        r.stats.rounds += 1
+        r.stats.accepted.append(max(0, drafted - 1))  # a round of L emits L (not L + 1)
+        r.stats.drafted.append(drafted)
+        self._emit(r, r.drafts)
+        r.start = r.pos  # the last token's KV is not in the draft cache yet: the next round feeds it
+        M.ENGINE_ROUNDS.inc()
+        M.ENGINE_EMITTED.inc(drafted)
+        if self._on_round is not None:
+            self._on_round(r)
+        if r.done:
+            self._release(r)
+        else:
+            self._new_round(r, res)
+
+    def _release(self, r: Request) -> None:
+        """A finished request frees its KV (resident KV is freed as each request ends); KVFetch
+        counters go to its stats first."""
+        if r.draft is not None and isinstance(r.draft.packed, CertifiedPrefix):
+            r.stats.kvfetch = r.draft.packed.stats.as_dict()
+        r.full = r.draft = None
 
     def _pick(self, r: Request, logits: Tensor, sampling: Sampling) -> int:
         top2 = logits.topk(2).values
