@@ -42,7 +42,26 @@ def test_generate_reference_identical(tmp_path):
     (["--full-kv", "offload", "--source", "resident"], "needs a store"),
     (["--kv-budget-bytes", "0"], "kv_budget_bytes must be a positive int"),
     (["--verify-buffers", "-1"], "verify_buffers must be a positive int"),
+    (["--mode", "verkv", "--compressor", "int8"], "needs compressor 'poissoncomp'"),
+    (["--kvfetch-draft", "--compressor", "kivi"], "needs compressor 'poissoncomp'"),
+    (["--mode", "verkv", "--sketch-bits", "3"], "sketch_bits must be"),
+    (["--mode", "verkv", "--sketch-bits", "two"], "--sketch-bits must be"),
+    (["--mode", "verkv", "--epsilon", "0"], "epsilon must be"),
+    (["--mode", "verkv", "--delta", "1.5"], "delta must be"),
 ])
 def test_bad_arguments(argv, msg, capsys):
     assert main(["generate", *argv, "--json"]) == 2
     assert msg in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_generate_verkv_mode_reports_its_fetches_and_the_comparison():
+    cmd = [sys.executable, "-c", "from lmcache_vericache.cli import main; raise SystemExit(main())", "generate",
+           "--mode", "verkv", "--epsilon", "0.05", "--delta", "0.1", "--prompt-tokens", "768",
+           "--max-new-tokens", "24", "--draft-len", "8", "--reference", "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]  # not identical is not a failure in verkv mode
+    out = json.loads(proc.stdout)
+    assert out["mode"] == "verkv" and out["compressor"] == "poissoncomp" and len(out["tokens"]) == 24
+    assert isinstance(out["identical"], bool) and out["verify_s"] == 0
+    assert out["kvfetch"]["decisions"] > 0 and 0 < out["kvfetch"]["fetch_fraction"] < 1
