@@ -65,7 +65,9 @@ def methods(rate: int, epsilons: list[float]) -> list[tuple[str, float | None]]:
 def compressor(name: str, rate: int):
     if name == "kvzip":
         return compressors.get("kvzip", keep_ratio=1 / rate)
-    return compressors.get("poissoncomp", keep_ratio=1 / rate, seed=0)
+    # No per-chunk local window: the budget goes to the importance sample (a chunk's last tokens are
+    # not the sequence's; at 16x a 16-token window per 256-token chunk would take the whole budget).
+    return compressors.get("poissoncomp", keep_ratio=1 / rate, n_sink=4, n_local=0, seed=0)
 
 
 def prefix_for(name: str, eps: float | None, sketch_bits: int | None, layers: int) -> CertifiedPrefix | None:
@@ -226,7 +228,8 @@ def acceptance(model, tok, args, rates: list[int]) -> list[dict]:
         for name, verkv in (("kvzip", None), ("poissoncomp", None), ("poissoncomp", {"kvfetch_draft": True,
                                                                                     "epsilon": eps})):
             t0 = time.perf_counter()
-            with VeriCacheEngine(model, name, {"keep_ratio": 1 / rate}, draft_len=8, store="resident",
+            comp = compressor(name, rate)
+            with VeriCacheEngine(model, comp.name, comp.params(), draft_len=8, store="resident",
                                  verkv=verkv) as eng:
                 res = eng.generate(prompts, args.accept_new)
             fetch = [r.stats.kvfetch["fetch_fraction"] for r in res if r.stats.kvfetch]
