@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import torch
-from machine import machine_info
+from machine import machine_info, pyplot
 
 from lmcache_vericache import compressors
 from lmcache_vericache.data import stdlib_source
@@ -269,13 +269,8 @@ def _fmt(r: dict) -> str:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(8, 4))
     labels = [f"{r['method']}\n{r['dtype'][:4]} {r['context'] // 1024}k b{r['batch']}" for r in rows]

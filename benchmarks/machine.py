@@ -25,3 +25,19 @@ def machine_info() -> dict:
         pass
     return dict(machine=platform.machine(), cpu=model, cpu_flags=[f for f in _FLAGS if f in flags],
                 cores=os.cpu_count(), threads=torch.get_num_threads(), torch=torch.__version__)
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the file-only Agg backend, or ``None`` (said on stderr) where
+    matplotlib is not installed: plots are optional, the JSON is the result."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        import sys
+
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return None
+    return plt

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 import torch
-from machine import machine_info
+from machine import machine_info, pyplot
 
 from lmcache_vericache import compressors
 from lmcache_vericache.data import stdlib_source
@@ -253,7 +253,8 @@ def summarize(rows: list[dict], d_errs: dict) -> list[dict]:
         groups.setdefault((r["rate"], r["method"], r["epsilon"], r["sketch"]), []).append(r)
     out = []
     for (rate, method, eps, sketch), rs in groups.items():
-        mean = lambda k: statistics.mean(r[k] for r in rs) if k in rs[0] else None  # noqa: E731
+        def mean(k: str, rs: list[dict] = rs) -> float | None:
+            return statistics.mean(r[k] for r in rs) if k in rs[0] else None
         errs = torch.cat(d_errs[(rate, method, eps, None if sketch == "exact" else
                                  (None if sketch == "-" else int(sketch.split("-")[0])))])
         tol = eps if eps is not None else 0.05
@@ -281,12 +282,8 @@ def print_table(summary: list[dict]) -> None:
 
 
 def plot(summary: list[dict]) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for (rate, sketch) in sorted({(s["rate"], s["sketch"]) for s in summary if s["method"] == "verkv"}):

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 
-from lmcache_vericache.engine.certificate import epsilon_hat, estimate, fetch_order, fetch_plan, mse, shrinkage
+from lmcache_vericache.engine.certificate import (
+    epsilon_hat,
+    estimate,
+    fetch_order,
+    fetch_plan,
+    mse,
+    shrinkage,
+)
 
 
 def case(rows: int = 4, n: int = 40, seed: int = 0):
@@ -23,9 +29,9 @@ def test_two_token_case_by_hand():
     in_l = torch.ones(1, 2, dtype=torch.bool)
     lam, beta = shrinkage(w, r, in_l)
     assert torch.allclose(lam, torch.full((1, 2), 2 / 3, dtype=torch.float64)) and math.isclose(beta.item(), 2 / 3)
-    l = math.log(2 / 0.1)
+    ld = math.log(2 / 0.1)
     v, b = 2 * (4 / 9) * 1 * (0.5 / 0.5), (2 / 3) * 2 * 0.5  # V and b of lemma 1
-    want = (2 / 3 + b * l / 3 + math.sqrt((b * l / 3) ** 2 + 2 * v * l)) / 2
+    want = (2 / 3 + b * ld / 3 + math.sqrt((b * ld / 3) ** 2 + 2 * v * ld)) / 2
     assert math.isclose(epsilon_hat(w, r, in_l, lam, beta, torch.tensor([2.0], dtype=torch.float64), 0.1).item(), want, rel_tol=1e-9)
 
 
