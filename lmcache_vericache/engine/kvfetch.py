@@ -146,6 +146,9 @@ class CertifiedPrefix:
         out, lse = torch.empty(h, m, d), torch.empty(h, m)
         for head in range(h):  # attended entries differ per KV head: the known and the drawn ones
             idx = (fetched[head] | lay.drawn[head]).nonzero().squeeze(1)
+            if idx.numel() == 0:  # nothing known or drawn (possible only without fetching): no weight
+                out[head], lse[head] = 0.0, float("-inf")
+                continue
             logits = (qf[head] @ lay.full_k[head, idx].float().T) * scale + mult[head][:, idx].log().float()
             lse[head] = logits.logsumexp(-1)
             out[head] = (logits - lse[head][:, None]).exp() @ lay.full_v[head, idx].float()
