@@ -57,3 +57,14 @@ def test_bad_decoding_options_fail_at_construction(tiny_model, kw, match):
     compressor = kw.pop("compressor", "poissoncomp")
     with pytest.raises(ValueError, match=match):
         VeriCacheEngine(tiny_model, compressor, **kw)
+
+
+def test_the_shipped_verkv_store_config_runs(tiny_model):
+    import json
+    from pathlib import Path
+
+    config = json.loads((Path(__file__).parents[2] / "configs" / "store-verkv.json").read_text())
+    with VeriCacheEngine(tiny_model, store=config, draft_len=4) as eng:
+        assert eng.mode == "verkv" and eng.compressor.name == "poissoncomp"
+        [res] = eng.generate([[(7 * i) % 251 + 3 for i in range(600)]], 12)
+    assert len(res.tokens) == 12 and res.stats.verify_s == 0 and res.stats.kvfetch["decisions"] > 0
