@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from .. import compressors
+from ..compressors.poissoncomp import is_poisson_sample
 from ..options import parse_options
 from .keys import HASH_SCHEMES, LAYOUT_2LTD, KeySpace
 
@@ -26,6 +27,16 @@ if TYPE_CHECKING:
 CAPACITY_TIERS = ("disk", "nixl", "redis", "redis_cluster", "lm", "memory")
 MODES = ("exact", "verkv")
 SKETCH_BITS = (2, 4, 8)
+
+
+def check_kvfetch(epsilon: Any, delta: Any, sketch_bits: Any) -> None:
+    """Raise ``ValueError`` (naming the option) unless these are valid KVFetch options."""
+    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not epsilon > 0:
+        raise ValueError(f"epsilon must be a number > 0, got {epsilon!r}")
+    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0 < delta < 1:
+        raise ValueError(f"delta must be a number in (0, 1), got {delta!r}")
+    if sketch_bits is not None and (isinstance(sketch_bits, bool) or sketch_bits not in SKETCH_BITS):
+        raise ValueError(f"sketch_bits must be null (exact keys) or one of {SKETCH_BITS}, got {sketch_bits!r}")
 
 
 @dataclass(frozen=True)
@@ -126,15 +137,8 @@ class StoreConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if not isinstance(self.kvfetch_draft, bool):
             raise ValueError(f"kvfetch_draft must be true or false, got {self.kvfetch_draft!r}")
-        if isinstance(self.epsilon, bool) or not isinstance(self.epsilon, (int, float)) or not self.epsilon > 0:
-            raise ValueError(f"epsilon must be a number > 0, got {self.epsilon!r}")
-        if isinstance(self.delta, bool) or not isinstance(self.delta, (int, float)) or not 0 < self.delta < 1:
-            raise ValueError(f"delta must be a number in (0, 1), got {self.delta!r}")
-        if self.sketch_bits is not None and (isinstance(self.sketch_bits, bool) or self.sketch_bits not in SKETCH_BITS):
-            raise ValueError(f"sketch_bits must be null (exact keys) or one of {SKETCH_BITS}, got {self.sketch_bits!r}")
-        evicts = self.compressor == "poissoncomp" or (
-            self.compressor == "compose" and self.compressor_params.get("evict") == "poissoncomp")
-        if self.uses_kvfetch and not evicts:
+        check_kvfetch(self.epsilon, self.delta, self.sketch_bits)
+        if self.uses_kvfetch and not is_poisson_sample(self.compressor, self.compressor_params):
             what = "mode 'verkv'" if self.mode == "verkv" else "kvfetch_draft"
             raise ValueError(f"{what} needs compressor 'poissoncomp' (its chunks carry the inclusion "
                              f"probabilities KVFetch uses), got {self.compressor!r}")

@@ -27,7 +27,9 @@ sample, different chunks of one prefix get independent ones.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -55,6 +57,12 @@ def inclusion_probabilities(tau: Tensor, target: float, iters: int = 64) -> Tens
         lo, hi = torch.where(low, mid, lo), torch.where(low, hi, mid)
     r = torch.minimum(torch.ones_like(tau), hi * tau)
     return torch.where(positive <= target, (tau > 0).double(), r)
+
+
+def is_poisson_sample(method: str, params: Mapping[str, Any]) -> bool:
+    """Whether chunks of ``method`` with ``params`` are PoissonComp samples (directly or as the
+    evictor of ``compose``): they carry the inclusion probabilities KVFetch needs."""
+    return method == "poissoncomp" or (method == "compose" and params.get("evict") == "poissoncomp")
 
 
 @register

@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..backends.config import SKETCH_BITS
+from ..backends.config import check_kvfetch
 from ..compressors import CompressedKV
 from ..compressors.packing import dequantize, quantize
+from ..compressors.poissoncomp import is_poisson_sample
 from .certificate import estimate, fetch_plan, shrinkage
 
 Tensor = torch.Tensor
@@ -69,18 +70,13 @@ class CertifiedPrefix:
     stats: FetchStats = field(default_factory=FetchStats)
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.epsilon, (int, float)) and self.epsilon > 0):
-            raise ValueError(f"epsilon must be > 0, got {self.epsilon!r}")
-        if not (isinstance(self.delta, (int, float)) and 0 < self.delta < 1):
-            raise ValueError(f"delta must be in (0, 1), got {self.delta!r}")
-        if self.sketch_bits is not None and self.sketch_bits not in SKETCH_BITS:
-            raise ValueError(f"sketch_bits must be None (exact) or one of {SKETCH_BITS}, got {self.sketch_bits!r}")
+        check_kvfetch(self.epsilon, self.delta, self.sketch_bits)
         if not self.layers:
             self.layers = [None] * self.num_layers
 
     def append(self, ckv: CompressedKV, full: Tensor) -> None:
         """Add one chunk: its PoissonComp compression ``ckv`` and its full KV ``[2, L, T, H*D]``."""
-        if ckv.method != "poissoncomp" and not (ckv.method == "compose" and ckv.params.get("evict") == "poissoncomp"):
+        if not is_poisson_sample(ckv.method, ckv.params):
             raise ValueError(f"KVFetch needs PoissonComp chunks (their inclusion probabilities), got {ckv.method}")
         h, d = ckv.num_kv_heads, ckv.head_dim
         t = full.shape[2]

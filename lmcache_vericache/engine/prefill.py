@@ -55,12 +55,16 @@ class Prefiller:
                 if any(f is None for f in full):
                     cached = []
             if cached:
-                r.full.n = len(cached) * c  # the exact prefix arrives by the swap, before the first verify
+                r.full.n = len(cached) * c
                 r.stats.cached_chunks = len(cached)
                 self._layout_draft(r, keys, cached, full)
-                # Poisoned: a verification that skipped the swap cannot pass.
-                r.prefix_missing = True
-                poison_prefix(r.full, r.prefix)
+                if full is not None:  # already read for KVFetch: the full cache takes them, no swap
+                    for i, kv in enumerate(full):
+                        r.full.load_2ltd(i * c, kv)
+                    r.stats.bytes_moved += sum(kv.nbytes for kv in full)
+                else:  # the exact prefix arrives by the swap, before the first verify. Poisoned until
+                    r.prefix_missing = True  # then: a verification that skipped the swap cannot pass
+                    poison_prefix(r.full, r.prefix)
                 return None
         logits, queries = self.prefill(r)
         r.queries = None if queries is None else queries.cpu()

@@ -480,20 +480,10 @@ class VeriCacheEngine:
         r.draft.n = t - r.prefix + k + 1
         r.draft.write_suffix(r.start - r.prefix, *r.full.suffix(r.start, t + k + 1))
         drafted = len(r.drafts)
-        r.stats.rounds += 1
-        r.stats.accepted.append(k)
-        r.stats.drafted.append(drafted)
         step_s = r.round_draft_s / drafted if drafted else 0.0
         r.horizon.update(drafted, k, step_s, r.swap.seconds if r.swap is not None else 0.0, r.round_verify_s)
         r.swap = None
-        emitted = r.stats.new_tokens
-        self._emit(r, r.drafts[:k] + [nxt])
-        emitted = r.stats.new_tokens - emitted
-        r.start = r.pos
-        M.ENGINE_ROUNDS.inc()
-        M.ENGINE_ACCEPTED.observe(k)
-        M.ENGINE_DRAFTED.inc(drafted)
-        M.ENGINE_EMITTED.inc(emitted)
+        self._commit(r, r.drafts[:k] + [nxt], k)
         if not r.done:
             self._prefiller.compress_generated(r, self.query_window, res.offload)
         if self._on_round is not None:
@@ -507,21 +497,29 @@ class VeriCacheEngine:
             self._new_round(r, res)
 
     def _commit_unverified(self, r: Request, res: Residency) -> None:
-        """verkv mode: emit the round's drafts as they are (certified attention, no verification)."""
-        drafted = len(r.drafts)
-        r.stats.rounds += 1
-        r.stats.accepted.append(max(0, drafted - 1))  # a round of L emits L (not L + 1)
-        r.stats.drafted.append(drafted)
-        self._emit(r, r.drafts)
-        r.start = r.pos  # the last token's KV is not in the draft cache yet: the next round feeds it
-        M.ENGINE_ROUNDS.inc()
-        M.ENGINE_EMITTED.inc(drafted)
+        """verkv mode: emit the round's drafts as they are (certified attention, no verification).
+        The last draft's KV is not in the draft cache yet: the next round feeds it (``start = pos``)."""
+        self._commit(r, r.drafts, max(0, len(r.drafts) - 1))  # a round of L emits L (not L + 1)
         if self._on_round is not None:
             self._on_round(r)
         if r.done:
             self._release(r)
         else:
             self._new_round(r, res)
+
+    def _commit(self, r: Request, tokens: list[int], accepted: int) -> None:
+        """Record a finished round (stats, metrics) and emit its ``tokens``; the next feed starts at
+        the last of them."""
+        r.stats.rounds += 1
+        r.stats.accepted.append(accepted)
+        r.stats.drafted.append(len(r.drafts))
+        emitted = r.stats.new_tokens
+        self._emit(r, tokens)
+        r.start = r.pos
+        M.ENGINE_ROUNDS.inc()
+        M.ENGINE_ACCEPTED.observe(accepted)
+        M.ENGINE_DRAFTED.inc(len(r.drafts))
+        M.ENGINE_EMITTED.inc(r.stats.new_tokens - emitted)
 
     def _release(self, r: Request) -> None:
         """A finished request frees its KV (resident KV is freed as each request ends); KVFetch

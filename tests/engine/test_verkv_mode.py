@@ -68,3 +68,13 @@ def test_the_shipped_verkv_store_config_runs(tiny_model):
         assert eng.mode == "verkv" and eng.compressor.name == "poissoncomp"
         [res] = eng.generate([[(7 * i) % 251 + 3 for i in range(600)]], 12)
     assert len(res.tokens) == 12 and res.stats.verify_s == 0 and res.stats.kvfetch["decisions"] > 0
+
+
+def test_kvfetch_drafter_over_a_prefix_from_the_store_is_identical(smollm2, prompt, reference):
+    """The second request finds the prompt's chunks in the store: its KVFetch prefix and its full
+    cache come from the store's chunks (read once), and the output is still full-KV greedy."""
+    with engine(smollm2[0], verkv={"kvfetch_draft": True}) as eng:
+        eng.generate([prompt], 1)  # stores the prompt's chunks
+        [res] = eng.generate([prompt], 24)
+    assert res.stats.cached_chunks == (len(prompt) - 1) // 256  # one prompt token stays uncached
+    assert res.tokens == reference[:24] and res.stats.kvfetch["decisions"] > 0
