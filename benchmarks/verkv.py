@@ -58,8 +58,15 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def methods(rate: int, epsilons: list[float]) -> list[tuple[str, float | None]]:
-    return [("kvzip", None), ("poissoncomp", None)] + [("verkv", e) for e in epsilons]
+def variants(name: str, epsilons: list[float], sketches: list[int | None]) -> list[tuple[str, float | None, int | None]]:
+    """The (method, epsilon, sketch bits) rows measured over one compression of the prefix by ``name``."""
+    if name == "kvzip":
+        return [("kvzip", None, None)]
+    return [(m, e, s) for s in sketches for m, e in [("poissoncomp", None)] + [("verkv", e) for e in epsilons]]
+
+
+def sketch_name(method: str, bits: int | None) -> str:
+    return "-" if method == "kvzip" else ("exact" if bits is None else f"{bits}-bit")
 
 
 def compressor(name: str, rate: int):
@@ -164,7 +171,7 @@ def main() -> None:
     heads, n_layers = rt.num_kv_heads, rt.num_layers
     rows: list[dict] = []
     d_errs: dict[tuple, list[torch.Tensor]] = {}
-    jobs = args.files * len(rates) * len(sketches) * (2 + len(epsilons))
+    jobs = args.files * len(rates) * (1 + len(sketches) * (1 + len(epsilons)))
     done, t_start = 0, time.perf_counter()
     for fname in FILES[:args.files]:
         ids = tok(stdlib_source(fname), add_special_tokens=False)["input_ids"][:args.context + args.window]
@@ -180,28 +187,24 @@ def main() -> None:
                 ckvs = [comp.compress(prefix_kv[:, :, i:i + CHUNK].contiguous(), heads, start=i, queries=obs_q)
                         for i in range(0, args.context, CHUNK)]
                 ratio = sum(c.full_nbytes for c in ckvs) / sum(c.nbytes for c in ckvs)
-                for sketch in sketches:
-                    for method, eps in methods(rate, epsilons):
-                        if (method == "kvzip") != (name == "kvzip") or (method == "kvzip" and sketch != sketches[0]):
-                            continue
-                        t1 = time.perf_counter()
-                        att = attention_rows(prefix_kv, future_q, heads, ckvs, comp,
-                                             prefix_for(method, eps, sketch, n_layers))
-                        pre = prefix_for(method, eps, sketch, n_layers)
-                        dec = decode_rows(rt, kv, ids, args.context, args.window, ckvs, comp, pre, dense)
-                        key = (rate, method, eps, None if method == "kvzip" else sketch)
-                        d_errs.setdefault(key, []).append(att.pop("_d_errs"))
-                        row = {"file": fname, "rate": rate, "method": method, "epsilon": eps,
-                               "sketch": "-" if method == "kvzip" else ("exact" if sketch is None else f"{sketch}-bit"),
-                               "resident_ratio_vs_full": ratio, **att, **dec}
-                        if pre is not None:
-                            row.update({f"decode_{k}": v for k, v in pre.stats.as_dict().items()})
-                        rows.append(row)
-                        done += 1
-                        elapsed = time.perf_counter() - t_start
-                        log(f"[verkv] {done}/{jobs} {fname} {rate}x {method} eps={eps} sketch={row['sketch']}: "
-                            f"agreement {dec['agreement']:.2f}, output error {att['output_error']:.3f} "
-                            f"({time.perf_counter() - t1:.0f} s; ~{elapsed / done * (jobs - done) / 60:.0f} min left)")
+                for method, eps, sketch in variants(name, epsilons, sketches):
+                    t1 = time.perf_counter()
+                    # Two prefixes: the attention pass and the decode pass count their fetches apart.
+                    att = attention_rows(prefix_kv, future_q, heads, ckvs, comp,
+                                         prefix_for(method, eps, sketch, n_layers))
+                    pre = prefix_for(method, eps, sketch, n_layers)
+                    dec = decode_rows(rt, kv, ids, args.context, args.window, ckvs, comp, pre, dense)
+                    row = {"file": fname, "rate": rate, "method": method, "epsilon": eps,
+                           "sketch": sketch_name(method, sketch), "resident_ratio_vs_full": ratio, **att, **dec}
+                    d_errs.setdefault((rate, method, eps, row["sketch"]), []).append(row.pop("_d_errs"))
+                    if pre is not None:
+                        row.update({f"decode_{k}": v for k, v in pre.stats.as_dict().items()})
+                    rows.append(row)
+                    done += 1
+                    elapsed = time.perf_counter() - t_start
+                    log(f"[verkv] {done}/{jobs} {fname} {rate}x {method} eps={eps} sketch={row['sketch']}: "
+                        f"agreement {dec['agreement']:.2f}, output error {att['output_error']:.3f} "
+                        f"({time.perf_counter() - t1:.0f} s; ~{elapsed / done * (jobs - done) / 60:.0f} min left)")
     summary = summarize(rows, d_errs)
     print_table(summary)
     drafters = acceptance(model, tok, args, accept_rates) if accept_rates else []
@@ -255,8 +258,7 @@ def summarize(rows: list[dict], d_errs: dict) -> list[dict]:
     for (rate, method, eps, sketch), rs in groups.items():
         def mean(k: str, rs: list[dict] = rs) -> float | None:
             return statistics.mean(r[k] for r in rs) if k in rs[0] else None
-        errs = torch.cat(d_errs[(rate, method, eps, None if sketch == "exact" else
-                                 (None if sketch == "-" else int(sketch.split("-")[0])))])
+        errs = torch.cat(d_errs[(rate, method, eps, sketch)])
         tol = eps if eps is not None else 0.05
         out.append({"rate": rate, "method": method, "epsilon": eps, "sketch": sketch,
                     "resident_ratio_vs_full": mean("resident_ratio_vs_full"), "agreement": mean("agreement"),

@@ -97,10 +97,6 @@ class CertifiedPrefix:
         q, mn, scale = quantize(keys.float(), self.sketch_bits, dim=1)  # per channel over the chunk
         return dequantize(q, mn, scale, self.sketch_bits, tuple(keys.shape), torch.float32)
 
-    def length(self, layer: int) -> int:
-        lay = self.layers[layer]
-        return 0 if lay is None else lay.r.shape[1]
-
     @property
     def nbytes(self) -> int:
         """Resident bytes: the drawn tokens' K/V, the sketch (at its bit width) and ``r`` (float16)."""
@@ -135,9 +131,9 @@ class CertifiedPrefix:
         st = self.stats
         st.decisions += h * m
         st.fetching_decisions += int(fetch.any(-1).sum())
-        new = fetched & ~lay.drawn
-        st.tokens_fetched += int(new.sum())
-        st.bytes_fetched += int(new.sum()) * 2 * d * lay.full_k.element_size()
+        n_new = int((fetched & ~lay.drawn).sum())  # the drawn tokens are resident already
+        st.tokens_fetched += n_new
+        st.bytes_fetched += n_new * 2 * d * lay.full_k.element_size()
         st.tokens_attended += h * lay.r.shape[1]
         out, lse = torch.empty(h, m, d), torch.empty(h, m)
         for head in range(h):  # attended entries differ per KV head: the known and the drawn ones
