@@ -24,7 +24,8 @@ drafters at the same resident budget: tokens per round, identical to full-KV gre
     .venv/bin/python benchmarks/verkv.py                # 2 files x 2048 tokens, 2-bit sketch and exact
     .venv/bin/python benchmarks/verkv.py --quick        # smoke: 1 file, 512 tokens, 8x only
 
-Prints a table; writes benchmarks/results/verkv.json and verkv.png (if matplotlib is installed).
+Prints a table; writes benchmarks/results/<name>.json and <name>.png (if matplotlib is installed);
+the name is ``verkv``, ``verkv_quick`` with ``--quick`` (so a smoke run keeps the full results).
 """
 
 from __future__ import annotations
@@ -152,6 +153,7 @@ def main() -> None:
     ap.add_argument("--accept-rates", default="8,16", help="rates of measurement (3); empty: skip it")
     ap.add_argument("--accept-new", type=int, default=64, help="new tokens per prompt in measurement (3)")
     ap.add_argument("--quick", action="store_true", help="1 file, 512 tokens, 8x, eps 0.05, 2-bit sketch")
+    ap.add_argument("--name", default=None, help="result file name (default verkv, verkv_quick with --quick)")
     args = ap.parse_args()
     if args.quick:
         args.files, args.context, args.window, args.rates, args.epsilons, args.sketches = 1, 512, 8, "8", "0.05", "2"
@@ -212,9 +214,10 @@ def main() -> None:
     result = {"benchmark": "verkv", "machine": machine_info(), "dtype": args.dtype, "context": args.context,
               "window": args.window, "files": FILES[:args.files], "delta": 0.1, "statistic": "mean over files",
               "summary": summary, "rows": rows, "drafters": drafters}
-    (OUT / "verkv.json").write_text(json.dumps(result, indent=1))
-    plot(summary)
-    log(f"wrote {OUT / 'verkv.json'}")
+    out_name = args.name or ("verkv_quick" if args.quick else "verkv")
+    (OUT / f"{out_name}.json").write_text(json.dumps(result, indent=1))
+    plot(summary, OUT / f"{out_name}.png")
+    log(f"wrote {OUT / f'{out_name}.json'}")
 
 
 def acceptance(model, tok, args, rates: list[int]) -> list[dict]:
@@ -283,7 +286,7 @@ def print_table(summary: list[dict]) -> None:
           "fetch dec.: decisions that fetch; traffic: fraction of the prefix read from the full tier per token")
 
 
-def plot(summary: list[dict]) -> None:
+def plot(summary: list[dict], path: Path) -> None:
     plt = pyplot()
     if plt is None:
         return
@@ -302,7 +305,7 @@ def plot(summary: list[dict]) -> None:
     a.legend(fontsize=7)
     b.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(OUT / "verkv.png", dpi=120)
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
