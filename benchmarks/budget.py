@@ -19,12 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
-from machine import machine_info
+from machine import machine_info, say
 
 from lmcache_vericache import compressors
 from lmcache_vericache.data import stdlib_source
@@ -34,11 +33,6 @@ from lmcache_vericache.models import load_model
 FILES = ["argparse.py", "typing.py", "inspect.py", "pathlib.py", "subprocess.py", "tarfile.py",
          "logging/__init__.py", "email/_header_value_parser.py", "tkinter/__init__.py", "_pydecimal.py"]
 OUT = Path(__file__).parent / "results"
-T0 = time.perf_counter()
-
-
-def say(msg: str) -> None:
-    print(f"[{(time.perf_counter() - T0) / 60:5.1f} min] {msg}", file=sys.stderr, flush=True)
 
 
 def prompts(tok, n_tokens: int, count: int) -> list[list[int]]:

@@ -33,14 +33,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from machine import machine_info, pyplot
+from machine import elapsed_s, machine_info, pyplot, say
 
 from lmcache_vericache import compressors
 from lmcache_vericache.cli.compressors import format_params
@@ -58,12 +57,6 @@ LOSSLESS = {"identity", "none"}
 REPRESENTATIVE = {"turboquant": {"k_bits": 4, "v_bits": 3}}
 QUICK_METHODS = "streamingllm,kvzip,turboquant"
 OUT = Path(__file__).parent / "results"
-_T0 = time.perf_counter()
-
-
-def say(msg: str) -> None:
-    """Progress on stderr: what runs now and the time so far."""
-    print(f"[{(time.perf_counter() - _T0) / 60:5.1f} min] {msg}", file=sys.stderr, flush=True)
 
 
 def prompts(tok, n_tokens: int, count: int) -> list[list[int]]:
@@ -245,11 +238,11 @@ def main() -> None:
                   ratio_bf16=res[m]["ratio_bf16"] if m in res else None)
 
     print(_table(list(res.values()), vc, steps))
-    say(f"done in {(time.perf_counter() - _T0) / 60:.1f} min")
+    say(f"done in {elapsed_s() / 60:.1f} min")
     OUT.mkdir(exist_ok=True)
     meta = dict(**machine_info(), dtype=args.dtype, prompts=args.prompts, files=FILES[:args.prompts],
                 prompt_tokens=n, new_tokens=steps, chunk_size=CHUNK, query_window=WINDOW,
-                wall_s=time.perf_counter() - _T0, kl="KL(full || lossy) in nats, full = full-KV model on the lossy prefix")
+                wall_s=elapsed_s(), kl="KL(full || lossy) in nats, full = full-KV model on the lossy prefix")
     (OUT / f"{args.name}.json").write_text(json.dumps(dict(meta=meta, full_greedy=full_tokens,
                                                            methods=list(res.values()), vericache=vc), indent=1))
     print(f"wrote {OUT / f'{args.name}.json'}")

@@ -1,10 +1,13 @@
-"""What a benchmark ran on: recorded in every result JSON (machines differ: an AVX2-only CPU runs
-bf16 slower than fp32, one with AVX-512 BF16 or AMX does not)."""
+"""Shared by the benchmarks: what a benchmark ran on, recorded in every result JSON (machines differ:
+an AVX2-only CPU runs bf16 slower than fp32, one with AVX-512 BF16 or AMX does not), progress lines
+and the optional plot backend."""
 
 from __future__ import annotations
 
 import os
 import platform
+import sys
+import time
 
 import torch
 
@@ -36,8 +39,19 @@ def pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        import sys
-
         print("matplotlib not installed: no plot", file=sys.stderr)
         return None
     return plt
+
+
+_T0 = time.perf_counter()
+
+
+def say(msg: str) -> None:
+    """A progress line on stderr with the minutes since the benchmark started."""
+    print(f"[{(time.perf_counter() - _T0) / 60:5.1f} min] {msg}", file=sys.stderr, flush=True)
+
+
+def elapsed_s() -> float:
+    """Seconds since the benchmark started."""
+    return time.perf_counter() - _T0

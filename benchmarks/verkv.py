@@ -34,12 +34,11 @@ import argparse
 import json
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
-from machine import machine_info, pyplot
+from machine import machine_info, pyplot, say
 
 from lmcache_vericache import compressors
 from lmcache_vericache.data import stdlib_source
@@ -53,10 +52,6 @@ FILES = ["argparse.py", "typing.py", "inspect.py", "pathlib.py"]
 OUT = Path(__file__).parent / "results"
 CHUNK, OBS = 256, 32
 NO_FETCH = 1e30
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def variants(name: str, epsilons: list[float], sketches: list[int | None]) -> list[tuple[str, float | None, int | None]]:
@@ -182,7 +177,7 @@ def main() -> None:
         _, obs_q = prefill_kv(model, torch.tensor(ids[:args.context]), window=OBS)
         dense = dense_decode(rt, kv, ids, args.context, args.window)
         prefix_kv = kv[:, :, :args.context].contiguous()
-        log(f"[verkv] {fname}: prefill and dense decode {time.perf_counter() - t0:.0f} s")
+        say(f"{fname}: prefill and dense decode {time.perf_counter() - t0:.0f} s")
         for rate in rates:
             for name in ("kvzip", "poissoncomp"):
                 comp = compressor(name, rate)
@@ -204,7 +199,7 @@ def main() -> None:
                     rows.append(row)
                     done += 1
                     elapsed = time.perf_counter() - t_start
-                    log(f"[verkv] {done}/{jobs} {fname} {rate}x {method} eps={eps} sketch={row['sketch']}: "
+                    say(f"{done}/{jobs} {fname} {rate}x {method} eps={eps} sketch={row['sketch']}: "
                         f"agreement {dec['agreement']:.2f}, output error {att['output_error']:.3f} "
                         f"({time.perf_counter() - t1:.0f} s; ~{elapsed / done * (jobs - done) / 60:.0f} min left)")
     summary = summarize(rows, d_errs)
@@ -217,7 +212,7 @@ def main() -> None:
     out_name = args.name or ("verkv_quick" if args.quick else "verkv")
     (OUT / f"{out_name}.json").write_text(json.dumps(result, indent=1))
     plot(summary, OUT / f"{out_name}.png")
-    log(f"wrote {OUT / f'{out_name}.json'}")
+    say(f"wrote {OUT / f'{out_name}.json'}")
 
 
 def acceptance(model, tok, args, rates: list[int]) -> list[dict]:
@@ -244,7 +239,7 @@ def acceptance(model, tok, args, rates: list[int]) -> list[dict]:
                    "identical": all(r.tokens == t for r, t in zip(res, ref)),
                    "fetch_fraction": statistics.mean(fetch) if fetch else None}
             out.append(row)
-            log(f"[verkv] drafter {rate}x {row['drafter']}: {row['tokens_per_round']:.2f} tokens/round, "
+            say(f"drafter {rate}x {row['drafter']}: {row['tokens_per_round']:.2f} tokens/round, "
                 f"identical {row['identical']} ({time.perf_counter() - t0:.0f} s)")
     print(f"{'rate':>4} {'drafter':<32} {'tok/round':>9} {'identical':>9} {'traffic':>8}")
     for r in out:
