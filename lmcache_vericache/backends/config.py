@@ -74,7 +74,7 @@ class StoreConfig:
     # config file.
     mac_key_env: str | None = None
     # Decoding over this store's chunks (docs/verkv.md). "exact": VeriCache, output identical to
-    # full-KV decoding. "verkv": certified approximate (KVFetch attention, no verification; faster,
+    # full-KV decoding. "verkv": certified approximate (KVFetch attention, no verification forward;
     # not identical). kvfetch_draft: the exact mode drafts with KVFetch attention. Both need
     # poissoncomp chunks. epsilon / delta: the certificate's tolerance and failure probability;
     # sketch_bits: bits of the key sketch KVFetch weighs non-resident tokens with (None: exact keys).

@@ -74,7 +74,7 @@ class VeriCacheEngine:
 
     ``mode`` (``"exact"``, default, or ``"verkv"``) and ``verkv`` (``kvfetch_draft``, ``epsilon``,
     ``delta``, ``sketch_bits``): the store config's decoding keys (docs/verkv.md). ``"verkv"`` decodes
-    with KVFetch-certified attention over PoissonComp chunks and no verification: faster, *not*
+    with KVFetch-certified attention over PoissonComp chunks and no verification forward: *not*
     identical to full-KV decoding. ``kvfetch_draft`` keeps the exact mode and drafts with KVFetch.
 
     ``int8_draft``: draft caches keep an int8 compressor's prefix as codes and attend over them with
