@@ -6,7 +6,7 @@ here imports it, nor vLLM.
 
 from .config import StoreConfig
 from .fullchunk import CorruptChunkError, decode_full, encode_full
-from .keys import KeySpace, model_fingerprint, prefix_hashes
+from .keys import KeySpace, folder_fingerprint, model_fingerprint, prefix_hashes
 from .store import DualTierStore, PrefetchHandle, StoreStats
 from .tiers import CapacityTier, DiskTier, MemoryTier, TierError
 
@@ -23,6 +23,7 @@ __all__ = [
     "TierError",
     "decode_full",
     "encode_full",
+    "folder_fingerprint",
     "model_fingerprint",
     "prefix_hashes",
 ]

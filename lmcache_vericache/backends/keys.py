@@ -29,7 +29,7 @@ import hashlib
 import json
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,25 +142,66 @@ def _sha256_cbor_link(prev: int, tokens: Sequence[int]) -> int:
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
-    """Identity of a model's exact weights: BLAKE3 over every parameter's name, dtype, shape and
-    bytes, equal in every process that loads the same weights in the same dtype. KV of one model
-    must never verify another's drafts, and a model changed in a single late weight is another
-    model. Cached on the model against the parameters' version counters (which every in-place
-    change bumps), so it is computed once per load (~0.15 s for SmolLM2-135M in fp32 here)."""
+    """Identity of a model's exact weights: BLAKE3 over a few config facts and every parameter's
+    name, dtype, shape and bytes, in name order (:func:`weights_fingerprint`). Equal in every process
+    that loads the same weights in the same dtype, and equal to :func:`folder_fingerprint` of the
+    Hugging Face folder they were loaded from, so a host that never holds the weights as plain
+    tensors (vLLM) finds the same keys. KV of one model must never verify another's drafts, and a
+    model changed in a single late weight is another model. Cached on the model against the
+    parameters' version counters (which every in-place change bumps), so it is computed once per
+    load (~0.15 s for SmolLM2-135M in fp32 here)."""
     params = list(model.named_parameters())
     versions = tuple((p._version, p.data_ptr()) for _, p in params)
     cached = getattr(model, "_vericache_fingerprint", None)
     if cached is not None and cached[0] == versions:
         return cached[1]
     with torch.inference_mode():
-        h = blake3.blake3()
-        cfg = getattr(model, "config", None)
-        facts = {k: str(getattr(cfg, k, None)) for k in ("model_type", "rope_theta", "rope_scaling", "rms_norm_eps")}
-        h.update(json.dumps(facts, sort_keys=True).encode())
-        for name, p in params:
-            t = p.detach().contiguous().cpu()
-            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b"")
-        fingerprint = h.hexdigest()[:32]
+        fingerprint = weights_fingerprint(getattr(model, "config", None), sorted(params, key=lambda kv: kv[0]))
     object.__setattr__(model, "_vericache_fingerprint", (versions, fingerprint))
     return fingerprint
+
+
+def weights_fingerprint(config: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """BLAKE3 (32 hex digits) over the config facts that change the KV (model type, RoPE, norm eps)
+    and each ``(name, tensor)`` in the order given: name, dtype, shape, raw bytes."""
+    h = blake3.blake3()
+    facts = {k: str(getattr(config, k, None)) for k in ("model_type", "rope_theta", "rope_scaling", "rms_norm_eps")}
+    h.update(json.dumps(facts, sort_keys=True).encode())
+    for name, p in named_tensors:
+        t = p.detach().contiguous().cpu()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b"")
+    return h.hexdigest()[:32]
+
+
+_TIED = {"lm_head.weight", "model.embed_tokens.weight"}
+
+
+def folder_fingerprint(folder: str | os.PathLike, dtype: torch.dtype | str) -> str:
+    """:func:`model_fingerprint` of the model a Hugging Face folder loads as in ``dtype``, computed
+    from its ``*.safetensors`` files without building the model (tensors cast to ``dtype``; tied
+    weights stored once, as Hugging Face saves them). For hosts that cannot view their weights
+    (vLLM on CPU packs them into oneDNN handles). Raises ``ValueError`` if the folder has no
+    safetensors weights."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    folder = Path(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{folder}: no *.safetensors weights to fingerprint (set the store config's model_id)")
+    target = getattr(torch, dtype_str(dtype))
+    handles = [safe_open(str(f), framework="pt") for f in files]
+    config = AutoConfig.from_pretrained(folder)
+    names = sorted((name, i) for i, f in enumerate(handles) for name in f.keys())
+    if getattr(config, "tie_word_embeddings", False) and len({n for n, _ in names} & _TIED) == 2:
+        names = [(n, i) for n, i in names if n != "lm_head.weight"]  # a loaded model holds it once
+
+    def tensors():
+        for name, i in names:
+            yield name, handles[i].get_tensor(name).to(target)
+
+    with torch.inference_mode():
+        return weights_fingerprint(config, tensors())

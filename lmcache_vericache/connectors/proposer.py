@@ -22,6 +22,14 @@ environment variables (``additional_config`` wins):
   engine's :class:`~lmcache_vericache.engine.horizon.Horizon`: double after full acceptance, about
   1.5x the recent accepted run after a rejection). Drafting costs a target-model forward per token,
   so drafts past the likely first mismatch are pure cost.
+* ``gate`` (bool, default true): propose only while proposing pays (:class:`PayGate`): tokens per
+  second of steps after a proposal against steps without, measured in the run; where drafting
+  does not beat a plain step the proposer goes quiet, probing again ever more rarely.
+
+With the package's KV connector (:mod:`.vericache_connector`) in the same vLLM, the proposer also
+drafts during a prefix load (:mod:`.drafts`): its runtime drafts over the store's compressed chunks
+while the full chunks stream in, and the first step after the load proposes those drafts (whatever
+the gate says: they were made while the request waited).
 
 Request identity: vLLM passes no request ids, and rows of ``token_ids_cpu`` move as requests come and
 go. A draft state is therefore matched to a row by content: the state's committed tokens must be a
@@ -37,7 +45,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +57,7 @@ from ..engine.cache import KVCache, append_chunks, kv_to_2ltd
 from ..engine.horizon import Horizon
 from ..engine.runtime import Segment
 from ..options import parse_options
+from . import drafts
 from . import paged_layout as pl
 from .vllm_model import runtime_for
 
@@ -66,6 +75,9 @@ class ProposerOptions:
     window: int = 0
     max_draft: int | None = None  # None: num_speculative_tokens
     adaptive: bool = True
+    # Propose only while it pays (tokens per second measured with and without proposals, PayGate);
+    # false: always propose.
+    gate: bool = True
 
     def validate(self) -> None:
         """Raises ``ValueError`` whose message starts with the offending option's name."""
@@ -126,6 +138,71 @@ class ProposerStats:
     full_bytes: int = 0
     sync_s: float = 0.0  # reading vLLM's paged KV and compressing
     draft_s: float = 0.0  # draft forwards
+    load_drafts: int = 0  # tokens proposed from drafts made during a prefix load
+    gated_steps: int = 0  # steps the gate kept quiet
+
+
+class PayGate:
+    """Proposes only while it pays, from tokens per second measured in the run.
+
+    A cycle: ``probe`` steps without proposals (the plain rate), ``probe`` steps with them, then
+    ``hold`` steps in the faster mode; ``hold`` doubles while the decision repeats (up to
+    ``max_hold``), so a drafter that never pays costs a vanishing share of steps. A step's time
+    (between consecutive ``propose`` calls: vLLM's forward plus this proposer) and its emitted
+    tokens are credited to the mode of the proposals it verified; the first step after a switch and
+    steps that change the batch (a request joins, leaves or prefills) are not counted."""
+
+    def __init__(self, probe: int = 3, hold: int = 32, max_hold: int = 1024,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.probe, self.hold0, self.max_hold, self.hold = probe, hold, max_hold, hold
+        self.clock = clock
+        self.last_pays: bool | None = None
+        self.measured = {False: [0, 0.0], True: [0, 0.0]}  # mode -> [tokens, seconds]
+        self.decisions: list[bool] = []
+        self._last: float | None = None
+        self._prev: list[int] | None = None
+        self.on = False
+        self._enter("measure_off")
+
+    def _enter(self, phase: str) -> None:
+        on = phase in ("measure_on", "hold_on")
+        self.skip_next = on != self.on  # that step verifies the other mode's proposals
+        self.phase, self.on = phase, on
+        self.left = self.probe if phase.startswith("measure") else self.hold
+
+    def step(self, lengths: list[int]) -> bool:
+        """Account the step that just ran (rows' token counts ``lengths``, -1 for a row in prefill)
+        and say whether this step proposes."""
+        now = self.clock()
+        prev, self._prev = self._prev, lengths
+        steady = prev is not None and len(prev) == len(lengths) and all(
+            a >= 0 and b > a for a, b in zip(prev, lengths))
+        counted = steady and self._last is not None and not self.skip_next
+        if counted and self.phase.startswith("measure"):
+            m = self.measured[self.on]
+            m[0] += sum(b - a for a, b in zip(prev, lengths))
+            m[1] += now - self._last
+        if counted or not self.phase.startswith("measure"):
+            self.left -= 1
+        self.skip_next = self.skip_next and not steady
+        self._last = now
+        if self.left <= 0:
+            self._next()
+        return self.on
+
+    def _next(self) -> None:
+        if self.phase == "measure_off":
+            self._enter("measure_on")
+        elif self.phase == "measure_on":
+            (t_off, s_off), (t_on, s_on) = self.measured[False], self.measured[True]
+            pays = t_on * s_off > t_off * s_on  # t_on / s_on > t_off / s_off
+            self.hold = min(2 * self.hold, self.max_hold) if pays == self.last_pays else self.hold0
+            self.last_pays = pays
+            self.decisions.append(pays)
+            self.measured = {False: [0, 0.0], True: [0, 0.0]}
+            self._enter("hold_on" if pays else "hold_off")
+        else:
+            self._enter("measure_off")
 
 
 class CompressedKVProposer:
@@ -140,6 +217,7 @@ class CompressedKVProposer:
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.states: list[_State] = []
         self.stats = ProposerStats()
+        self.gate = PayGate() if self.opts.gate else None
         self.rt = None
         self._attn: list[torch.nn.Module] = []
         self._caches: list[tuple[Tensor, pl.BlockLayout]] | None = None
@@ -148,6 +226,7 @@ class CompressedKVProposer:
     # -- vLLM hooks ------------------------------------------------------------------------------
     def load_model(self, target_model: torch.nn.Module) -> None:
         self.rt = runtime_for(target_model)
+        drafts.register(self.rt)  # the KV connector's load window drafts with these weights
         self._attn = [layer.self_attn.attn for layer in target_model.model.layers]
         target_model.register_forward_pre_hook(self._capture)
         target_model._vericache_proposer = self  # reachable from LLM.apply_model (stats, tests)
@@ -169,12 +248,17 @@ class CompressedKVProposer:
             return out
         self.stats.steps += 1
         t0 = time.perf_counter()
+        pre = self._load_drafts(out, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) if drafts.pending() else set()
+        if self.gate is not None and not self.gate.step(
+                [int(num_tokens_no_spec[i]) if len(s) else -1 for i, s in enumerate(sampled_token_ids)]):
+            self.stats.gated_steps += 1
+            return out  # quiet: states are kept and caught up when proposing again
         claimed: list[_State] = []
         work: list[tuple[int, _State, int, int]] = []  # row, state, last position, draft length
         for i, sampled in enumerate(sampled_token_ids):
             n_tok = int(num_tokens_no_spec[i])
             n = min(self.max_draft, self.max_model_len - n_tok)
-            if len(sampled) == 0 or n <= 0:  # partial prefill, or no room left
+            if len(sampled) == 0 or n <= 0 or i in pre:  # partial prefill, no room left, drafted at load
                 continue
             row = token_ids_cpu[i, :n_tok]
             st = self._match(row, claimed)
@@ -203,6 +287,26 @@ class CompressedKVProposer:
         self.stats.draft_s += time.perf_counter() - t1
         self.stats.proposed += sum(len(o) for o in out)
         return out
+
+    def _load_drafts(self, out: list[list[int]], sampled_token_ids: list, num_tokens_no_spec: np.ndarray,
+                     token_ids_cpu: np.ndarray) -> set[int]:
+        """Rows whose request just ran its first step after a prefix load drafted during it: propose
+        those drafts if the first one is the token vLLM sampled. Returns the rows served."""
+        served = set()
+        for i, sampled in enumerate(sampled_token_ids):
+            n_tok = int(num_tokens_no_spec[i])
+            if len(sampled) == 0 or n_tok < 2:
+                continue
+            made = drafts.take(token_ids_cpu[i, :n_tok - 1].tolist())
+            if made is None:
+                continue
+            matched = bool(made) and made[0] == int(token_ids_cpu[i, n_tok - 1])
+            drafts.count_use(matched)
+            if matched:
+                out[i] = made[1:1 + min(self.k, self.max_model_len - n_tok)]
+                self.stats.load_drafts += len(out[i])
+                served.add(i)
+        return served
 
     # -- draft state -------------------------------------------------------------------------------
     def _match(self, row: np.ndarray, claimed: list[_State]) -> _State:

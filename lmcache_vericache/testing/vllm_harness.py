@@ -5,7 +5,8 @@ Tests and ``benchmarks/vllm_e2e.py`` start each engine configuration through :fu
 ``__main__`` guard), a failed start must not take the caller down, and every process it starts
 ends with the child. Per job: the generated token ids, wall time, and the change of vLLM's
 spec-decode counters; optionally the proposer's own stats and the runtime's logits of a probe
-sequence computed inside the worker (``LLM.apply_model``).
+sequence computed inside the worker (``LLM.apply_model``) and
+the VeriCache KV connector's counters (``"connector_stats": true``).
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ def _main(spec_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from lmcache_vericache.connectors.vericache_connector import connector_stats
     from lmcache_vericache.connectors.vllm_model import runtime_logits
     from lmcache_vericache.testing.vllm_harness import proposer_stats  # by reference, not __main__'s copy
 
@@ -96,6 +98,8 @@ def _main(spec_path: str) -> None:
             "tokens": tokens, "finish": [o.outputs[0].finish_reason for o in outs], "seconds": dt,
             "new_tokens": sum(map(len, tokens)), "spec": _delta(_counters(llm), before),
             "proposer": llm.apply_model(proposer_stats)[0] if spec.get("stats") else None,
+            "connector": llm.apply_model(connector_stats)[0] if spec.get("connector_stats") else None,
+            "num_cached_tokens": [o.num_cached_tokens for o in outs],
         }
     if spec.get("probe_ids"):
         import torch

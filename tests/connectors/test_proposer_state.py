@@ -66,6 +66,9 @@ class Target:
 
 
 def make(tiny_model, compressor="none", **opts):
+    # The pay gate would keep the first steps quiet (it measures plain steps first); these tests are
+    # about the draft state, test_pay_gate.py about the gate.
+    opts = {"gate": False, **opts}
     cfg = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=K),
                           model_config=SimpleNamespace(max_model_len=4096),
                           additional_config={"vericache_proposer": {"compressor": compressor, **opts}})

@@ -1,0 +1,146 @@
+"""Drafts made while a request's full prefix is still loading (the connector's load window).
+
+vLLM runs a request only after its whole prefix is in its blocks. While the full chunks stream in,
+the compressed chunks are already here: :func:`start` drafts the continuation over them with the
+target model's own weights (the runtime the ``custom_class`` proposer built in ``load_model``; no
+second copy), on a background thread: the prompt's tail past the compressed prefix is prefilled
+over it, then ``n`` tokens are decoded greedily. When the request runs and samples its first token,
+the proposer :func:`take`\\ s the drafts: if the first draft equals the sampled token, the rest is
+proposed to vLLM's rejection sampler, which verifies it against the now-loaded full KV.
+
+The connector and the proposer live in the same worker process and meet here: the proposer
+:func:`register`\\ s its runtime, the connector calls :func:`start`. Without a proposer (or with a
+runtime that fails) nothing is drafted and serving is unchanged. Drafts are keyed by the prompt's
+tokens; at most :data:`MAX_PENDING` are kept (oldest dropped).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from ..compressors import CompressedKV, KVCompressor
+from ..engine.cache import append_chunks
+from ..engine.runtime import Runtime, Segment
+
+logger = logging.getLogger("vllm." + __name__)  # shown by vLLM's log handler
+MAX_PENDING = 256
+
+
+@dataclass
+class DraftStats:
+    jobs: int = 0
+    tokens: int = 0  # tokens drafted
+    during_load: int = 0  # of those, drafted before the full prefix had loaded
+    taken: int = 0  # jobs whose drafts the proposer used (first draft = sampled token)
+    mismatched: int = 0  # jobs whose first draft differed from the sampled token
+    draft_s: float = 0.0
+
+
+class DraftJob:
+    """One request's drafting; drafts grow in ``tokens`` until ``n``, :meth:`stop` or an error."""
+
+    def __init__(self, prompt: Sequence[int], n: int):
+        self.prompt, self.n = tuple(prompt), n
+        self.tokens: list[int] = []
+        self._loaded = threading.Event()
+        self._stop = threading.Event()
+        self.done = threading.Event()
+
+    def load_done(self) -> None:
+        """The full prefix is in vLLM's blocks (drafts after this are no longer 'during the load')."""
+        self._loaded.set()
+
+    def stop(self) -> list[int]:
+        """Stop drafting; the drafts so far."""
+        self._stop.set()
+        self.done.wait(30)
+        return list(self.tokens)
+
+
+_rt: Runtime | None = None
+_lock = threading.Lock()
+_jobs: OrderedDict[tuple[int, ...], DraftJob] = OrderedDict()
+_stats = DraftStats()
+
+
+def register(rt: Runtime | None) -> None:
+    """The runtime drafts run on (the proposer's, over vLLM's module); ``None`` turns drafting off."""
+    global _rt
+    _rt = rt
+
+
+def stats() -> dict[str, Any]:
+    return {**asdict(_stats), "pending": len(_jobs), "registered": _rt is not None}
+
+
+def start(prompt: Sequence[int], ckvs: list[CompressedKV], compressor: KVCompressor, prefix: int,
+          n: int) -> DraftJob | None:
+    """Draft ``n`` tokens after ``prompt`` over the compressed chunks ``ckvs`` (its first ``prefix``
+    tokens), on a new thread. ``None`` if no drafter is registered or nothing is left to prefill."""
+    rt = _rt
+    if rt is None or n <= 0 or not ckvs or prefix >= len(prompt):
+        return None
+    job = DraftJob(prompt, n)
+    with _lock:
+        _jobs[job.prompt] = job
+        while len(_jobs) > MAX_PENDING:
+            _jobs.popitem(last=False)[1]._stop.set()
+        _stats.jobs += 1
+    threading.Thread(target=_run, args=(rt, job, ckvs, compressor, prefix), name="vericache-draft",
+                     daemon=True).start()
+    return job
+
+
+def pending() -> bool:
+    """Some load's drafts wait for their request (a cheap check before :func:`take`)."""
+    return bool(_jobs)
+
+
+def take(prompt: Sequence[int]) -> list[int] | None:
+    """Stop and remove the job of ``prompt``; its drafts (``None`` if there is none)."""
+    with _lock:
+        job = _jobs.pop(tuple(prompt), None)
+    return None if job is None else job.stop()
+
+
+def count_use(matched: bool) -> None:
+    with _lock:
+        if matched:
+            _stats.taken += 1
+        else:
+            _stats.mismatched += 1
+
+
+def _run(rt: Runtime, job: DraftJob, ckvs: list[CompressedKV], compressor: KVCompressor, prefix: int) -> None:
+    t0 = time.perf_counter()
+    try:
+        tail = job.prompt[prefix:]
+        cache = rt.new_cache(8)
+        append_chunks(cache, ckvs, compressor, room=len(tail) + job.n + 1)
+        tokens = torch.tensor(tail)
+        positions = torch.arange(prefix, len(job.prompt))
+        rows = torch.tensor([len(tail) - 1])
+        for step in range(job.n):
+            if job._stop.is_set():
+                break
+            logits, _ = rt.forward(tokens, positions, [Segment(cache, len(tokens))], rows=rows)
+            t = int(logits[-1].argmax())
+            job.tokens.append(t)
+            with _lock:
+                _stats.tokens += 1
+                _stats.during_load += not job._loaded.is_set()
+            tokens, positions, rows = torch.tensor([t]), torch.tensor([len(job.prompt) + step]), None
+    except Exception as e:  # drafting is an optimisation: a failure only loses the drafts
+        logger.warning("vericache drafts: drafting during the load failed (%s: %s)", type(e).__name__, e)
+    finally:
+        with _lock:
+            _stats.draft_s += time.perf_counter() - t0
+        job.done.set()
