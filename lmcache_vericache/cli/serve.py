@@ -1,9 +1,11 @@
-"""``vericache serve``: an OpenAI-compatible vLLM server (``vllm serve``) on SmolLM2 with the compressed-KV drafting
-proposer (``--speculative-config``) and, with ``--lmcache``, LMCache's MP connector
-(``--kv-transfer-config``, the server started as in ``configs/README.md``).
+"""``vericache serve``: an OpenAI-compatible vLLM server (``vllm serve``) on SmolLM2 with both VeriCache
+flags: the package's KV connector (``--kv-transfer-config``: stored prefixes served from the dual-tier
+store, compressed chunks drafted over while the full ones load, prompt chunks saved) and the
+compressed-KV drafting proposer (``--speculative-config``). ``--lmcache`` swaps the connector for
+LMCache's MP connector (the ``lmcache server`` started as in ``configs/README.md``).
 
-It validates the proposer options, prints the server's command line and replaces itself with
-it (``--dry-run`` only prints). Arguments after ``--`` go to ``vllm serve`` unchanged.
+It validates the store config and proposer options, prints the server's command line and replaces
+itself with it (``--dry-run`` only prints). Arguments after ``--`` go to ``vllm serve`` unchanged.
 """
 
 from __future__ import annotations
@@ -17,6 +19,17 @@ from pathlib import Path
 
 PROPOSER = "lmcache_vericache.connectors.proposer.CompressedKVProposer"
 KV_TRANSFER_JSON = Path(__file__).parents[2] / "configs" / "vllm-kv-transfer.json"
+CONNECTOR_MODULE = "lmcache_vericache.connectors.vericache_connector"
+DEFAULT_STORE = {"capacity": "disk", "disk_path": "~/.cache/lmcache_vericache/kv"}
+
+
+def connector_config(extra: dict | None = None) -> dict:
+    """``--kv-transfer-config`` of the package's connector over the store config ``extra``
+    (``configs/vllm-vericache-connector.json`` is ``connector_config()``). Load failures are
+    recomputed (vLLM's default policy would fail the request)."""
+    return {"kv_connector": "VeriCacheConnector", "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": dict(DEFAULT_STORE if extra is None else extra)}
 
 
 def add_parser(subparsers) -> None:
@@ -27,7 +40,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--num-speculative-tokens", type=int, default=8, help="k: drafts per step (default 8)")
+    p.add_argument("--num-speculative-tokens", type=int, default=16,
+                   help="k: drafts per step, also the most drafts made during a prefix load proposes (default 16)")
     p.add_argument("--no-proposer", action="store_true", help="plain vLLM (no --speculative-config)")
     o = p.add_argument_group("proposer options (--additional-config vericache_proposer.*)")
     o.add_argument("--compressor", default="int8")
@@ -36,8 +50,12 @@ def add_parser(subparsers) -> None:
     o.add_argument("--window", type=int, default=0)
     o.add_argument("--max-draft", type=int, default=None)
     o.add_argument("--no-adaptive", action="store_true", help="always draft --max-draft tokens")
+    c = p.add_argument_group("VeriCache KV connector (--kv-transfer-config)")
+    c.add_argument("--store-config", default=None, metavar="JSON",
+                   help=f"kv_connector_extra_config: store config + connector options (default {json.dumps(DEFAULT_STORE)})")
+    c.add_argument("--no-connector", action="store_true", help="no KV connector")
     k = p.add_argument_group("LMCache MP connector")
-    k.add_argument("--lmcache", action="store_true", help="add --kv-transfer-config (LMCacheMPConnector)")
+    k.add_argument("--lmcache", action="store_true", help="LMCacheMPConnector instead of the VeriCache connector")
     k.add_argument("--lmcache-port", type=int, default=None, help="LMCache server port (default: the JSON's)")
     p.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then extra `vllm serve` arguments")
@@ -75,8 +93,25 @@ def command(args: argparse.Namespace) -> list[str]:
         if args.lmcache_port is not None:
             kv["kv_connector_extra_config"]["lmcache.mp.port"] = args.lmcache_port
         argv += ["--kv-transfer-config", json.dumps(kv)]
+    elif not args.no_connector:
+        argv += ["--kv-transfer-config", json.dumps(connector_config(_store_config(args.store_config)))]
     extra = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
     return argv + extra
+
+
+def _store_config(raw: str | None) -> dict:
+    """The connector's extra config from ``--store-config``, validated here (naming a bad key) so
+    that vLLM does not start only to fail in its engine process."""
+    if raw is None:
+        return dict(DEFAULT_STORE)
+    try:
+        extra = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--store-config is not valid JSON: {e}") from e
+    from ..connectors.vericache_connector import parse_extra_config
+
+    parse_extra_config(extra)
+    return extra
 
 
 def run(args: argparse.Namespace) -> int:

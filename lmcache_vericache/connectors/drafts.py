@@ -9,7 +9,11 @@ the proposer :func:`take`\\ s the drafts: if the first draft equals the sampled 
 proposed to vLLM's rejection sampler, which verifies it against the now-loaded full KV.
 
 The connector and the proposer live in the same worker process and meet here: the proposer
-:func:`register`\\ s its runtime, the connector calls :func:`start`. Without a proposer (or with a
+:func:`register`\\ s its runtime, the connector calls :func:`start`. vLLM's CPU kernels (oneDNN
+GEMMs) are not safe to run from two threads at once (a segfault when a draft step overlapped vLLM's
+forward), so every forward over the model holds :data:`model_lock`: vLLM's own (the proposer's
+forward hooks and ``compute_logits`` take it), the proposer's drafts, and each draft step here. Drafting thus fills the
+gaps between vLLM's steps, such as the wait for a prefix load. Without a proposer (or with a
 runtime that fails) nothing is drafted and serving is unchanged. Drafts are keyed by the prompt's
 tokens; at most :data:`MAX_PENDING` are kept (oldest dropped).
 """
@@ -26,6 +30,8 @@ from typing import Any
 
 import torch
 
+from ..backends.keys import KeySpace
+from ..backends.store import DualTierStore
 from ..compressors import CompressedKV, KVCompressor
 from ..engine.cache import append_chunks
 from ..engine.runtime import Runtime, Segment
@@ -65,7 +71,18 @@ class DraftJob:
         return list(self.tokens)
 
 
+@dataclass(frozen=True)
+class ChunkSource:
+    """The KV connector's store and key space: where the proposer reads compressed prefix chunks."""
+
+    store: DualTierStore
+    space: KeySpace
+    chunk_size: int
+
+
 _rt: Runtime | None = None
+_source: ChunkSource | None = None
+model_lock = threading.RLock()  # held by every forward over the served model's modules (re-entrant: logits)
 _lock = threading.Lock()
 _jobs: OrderedDict[tuple[int, ...], DraftJob] = OrderedDict()
 _stats = DraftStats()
@@ -75,6 +92,16 @@ def register(rt: Runtime | None) -> None:
     """The runtime drafts run on (the proposer's, over vLLM's module); ``None`` turns drafting off."""
     global _rt
     _rt = rt
+
+
+def register_source(source: ChunkSource | None) -> None:
+    """The connector's store (worker side), for the proposer's draft caches."""
+    global _source
+    _source = source
+
+
+def chunk_source() -> ChunkSource | None:
+    return _source
 
 
 def stats() -> dict[str, Any]:
@@ -131,7 +158,8 @@ def _run(rt: Runtime, job: DraftJob, ckvs: list[CompressedKV], compressor: KVCom
         for step in range(job.n):
             if job._stop.is_set():
                 break
-            logits, _ = rt.forward(tokens, positions, [Segment(cache, len(tokens))], rows=rows)
+            with model_lock:
+                logits, _ = rt.forward(tokens, positions, [Segment(cache, len(tokens))], rows=rows)
             t = int(logits[-1].argmax())
             job.tokens.append(t)
             with _lock:

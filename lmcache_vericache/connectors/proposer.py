@@ -26,10 +26,13 @@ environment variables (``additional_config`` wins):
   second of steps after a proposal against steps without, measured in the run; where drafting
   does not beat a plain step the proposer goes quiet, probing again ever more rarely.
 
-With the package's KV connector (:mod:`.vericache_connector`) in the same vLLM, the proposer also
-drafts during a prefix load (:mod:`.drafts`): its runtime drafts over the store's compressed chunks
-while the full chunks stream in, and the first step after the load proposes those drafts (whatever
-the gate says: they were made while the request waited).
+With the package's KV connector (:mod:`.vericache_connector`) in the same vLLM, the proposer drafts
+over the store's compressed chunks (the connector's compressor and chunk size; ``compressor`` and
+``chunk_size`` above then apply only without a connector): chunks the store has (prompt chunks the
+connector saved or loaded) are read from its hot tier, not compressed again; the rest (generated
+tokens) are compressed here. It also drafts during a prefix load (:mod:`.drafts`): its runtime drafts
+over the store's compressed chunks while the full chunks stream in, and the first step after the load
+proposes those drafts (whatever the gate says: they were made while the request waited).
 
 Request identity: vLLM passes no request ids, and rows of ``token_ids_cpu`` move as requests come and
 go. A draft state is therefore matched to a row by content: the state's committed tokens must be a
@@ -127,6 +130,9 @@ class _State:
     horizon: Horizon
     prefix: int = 0
     drafted: int = 0  # drafts proposed at the last step
+    # How the prefix is chunked: the KV connector's store (its compressor and chunk size, chunks read
+    # from it where it has them) or this proposer's own options (chunks compressed here).
+    source: drafts.ChunkSource | None = None
 
 
 @dataclass
@@ -138,7 +144,9 @@ class ProposerStats:
     full_bytes: int = 0
     sync_s: float = 0.0  # reading vLLM's paged KV and compressing
     draft_s: float = 0.0  # draft forwards
+    store_chunks: int = 0  # prefix chunks read from the KV connector's store instead of compressed here
     load_drafts: int = 0  # tokens proposed from drafts made during a prefix load
+    load_accepted: list[int] = field(default_factory=list)  # of those, accepted by vLLM, per request (alpha)
     gated_steps: int = 0  # steps the gate kept quiet
 
 
@@ -222,6 +230,7 @@ class CompressedKVProposer:
         self._attn: list[torch.nn.Module] = []
         self._caches: list[tuple[Tensor, pl.BlockLayout]] | None = None
         self._block_table: Tensor | None = None
+        self._first: list[tuple[np.ndarray, int]] = []  # load drafts proposed last step: (row, proposed)
 
     # -- vLLM hooks ------------------------------------------------------------------------------
     def load_model(self, target_model: torch.nn.Module) -> None:
@@ -229,6 +238,17 @@ class CompressedKVProposer:
         drafts.register(self.rt)  # the KV connector's load window drafts with these weights
         self._attn = [layer.self_attn.attn for layer in target_model.model.layers]
         target_model.register_forward_pre_hook(self._capture)
+        # vLLM's forward and the load-window drafter must not run the model at once (drafts.model_lock).
+        # (A hook returning a value would replace the forward's inputs / output: these return None.)
+        target_model.register_forward_pre_hook(lambda *_: None if drafts.model_lock.acquire() else None)
+        target_model.register_forward_hook(lambda *_: drafts.model_lock.release(), always_call=True)
+        compute_logits = target_model.compute_logits
+
+        def locked_logits(*args: Any, **kwargs: Any) -> Any:
+            with drafts.model_lock:
+                return compute_logits(*args, **kwargs)
+
+        target_model.compute_logits = locked_logits
         target_model._vericache_proposer = self  # reachable from LLM.apply_model (stats, tests)
 
     def _capture(self, module: torch.nn.Module, args: Any) -> None:
@@ -248,6 +268,8 @@ class CompressedKVProposer:
             return out
         self.stats.steps += 1
         t0 = time.perf_counter()
+        if self._first:
+            self._count_first_acceptance(num_tokens_no_spec, token_ids_cpu)
         pre = self._load_drafts(out, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) if drafts.pending() else set()
         if self.gate is not None and not self.gate.step(
                 [int(num_tokens_no_spec[i]) if len(s) else -1 for i, s in enumerate(sampled_token_ids)]):
@@ -276,9 +298,10 @@ class CompressedKVProposer:
         tokens = {i: int(token_ids_cpu[i, pos]) for i, _, pos, _ in work}
         for step in range(max((n for *_, n in work), default=0)):
             live = [(i, st, pos) for i, st, pos, n in work if n > step]
-            logits, _ = self.rt.forward(torch.tensor([tokens[i] for i, _, _ in live]),
-                                        torch.tensor([pos + step for _, _, pos in live]),
-                                        [Segment(st.cache, 1) for _, st, _ in live])
+            with drafts.model_lock:
+                logits, _ = self.rt.forward(torch.tensor([tokens[i] for i, _, _ in live]),
+                                            torch.tensor([pos + step for _, _, pos in live]),
+                                            [Segment(st.cache, 1) for _, st, _ in live])
             for (i, _, _), t in zip(live, logits.argmax(-1).tolist()):
                 out[i].append(t)
                 tokens[i] = t
@@ -305,8 +328,19 @@ class CompressedKVProposer:
             if matched:
                 out[i] = made[1:1 + min(self.k, self.max_model_len - n_tok)]
                 self.stats.load_drafts += len(out[i])
+                self._first.append((token_ids_cpu[i, :n_tok].copy(), len(out[i])))
                 served.add(i)
         return served
+
+    def _count_first_acceptance(self, num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray) -> None:
+        """Drafts accepted in each request's first verification after its load (found by content)."""
+        for row, proposed in self._first:
+            for i in range(len(num_tokens_no_spec)):
+                n = int(num_tokens_no_spec[i])
+                if n > len(row) and np.array_equal(token_ids_cpu[i, :len(row)], row):
+                    self.stats.load_accepted.append(min(proposed, n - len(row) - 1))
+                    break
+        self._first = []
 
     # -- draft state -------------------------------------------------------------------------------
     def _match(self, row: np.ndarray, claimed: list[_State]) -> _State:
@@ -316,9 +350,10 @@ class CompressedKVProposer:
             if m < len(row) and (best is None or m > len(best.tokens)) and np.array_equal(st.tokens, row[:m]):
                 best = st
         if best is None:
-            return _State(self.rt.new_cache(max(256, len(row) + self.max_draft)), row[:0].copy(), self._horizon())
+            return _State(self.rt.new_cache(max(256, len(row) + self.max_draft)), row[:0].copy(), self._horizon(),
+                          source=drafts.chunk_source())
         if any(best is c for c in claimed):  # two rows with one history: give the second its own copy
-            return _State(best.cache.clone(), best.tokens.copy(), self._horizon(), best.prefix)
+            return _State(best.cache.clone(), best.tokens.copy(), self._horizon(), best.prefix, source=best.source)
         return best
 
     def _horizon(self) -> Horizon:
@@ -326,18 +361,25 @@ class CompressedKVProposer:
 
     def _sync(self, st: _State, row: np.ndarray, block_ids: Tensor, n_draft: int) -> None:
         """Bring the draft cache to the committed tokens ``row[:-1]`` (the last one has no KV yet):
-        compress newly completed chunks onto its prefix, then copy the exact KV of the rest from
-        vLLM's cache."""
-        valid, c = len(row) - 1, self.opts.chunk_size
+        append newly completed chunks to its prefix (from the KV connector's store where it has them,
+        else compressed here from vLLM's cache), then copy the exact KV of the rest from vLLM's cache."""
+        valid, source = len(row) - 1, st.source
+        compressor, c = (source.store.compressor, source.chunk_size) if source else (self.compressor, self.opts.chunk_size)
         upto = max(st.prefix, (valid - self.opts.window) // c * c)
-        ckvs = [self.compressor.compress(kv_to_2ltd(*self._read(block_ids, s, s + c)), self.rt.num_kv_heads, start=s)
-                for s in range(st.prefix, upto, c)]
-        for ckv in ckvs:
-            self.stats.chunks += 1
+        keys = source.space.token_keys(row[:upto].tolist()) if source and upto > st.prefix else None
+        ckvs = []
+        for s in range(st.prefix, upto, c):
+            ckv = source.store.get_compressed(keys[s // c]) if keys else None
+            if ckv is None:
+                ckv = compressor.compress(kv_to_2ltd(*self._read(block_ids, s, s + c)), self.rt.num_kv_heads, start=s)
+                self.stats.chunks += 1
+            else:
+                self.stats.store_chunks += 1
             self.stats.compressed_bytes += ckv.nbytes
             self.stats.full_bytes += ckv.full_nbytes
+            ckvs.append(ckv)
         if ckvs:
-            append_chunks(st.cache, ckvs, self.compressor)  # drops the exact suffix: copied again below
+            append_chunks(st.cache, ckvs, compressor)  # drops the exact suffix: copied again below
             st.prefix = upto
         st.cache.reserve(max(st.cache.base) + valid - st.prefix + n_draft)
         have = st.prefix + st.cache.n

@@ -34,6 +34,7 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import queue
@@ -162,8 +163,12 @@ _INSTANCES: dict[str, VeriCacheConnector] = {}
 
 
 def connector_stats(_model: Any = None) -> dict[str, Any]:
-    """``LLM.apply_model`` helper: counters of this process's connectors and of the load drafter."""
-    out: dict[str, Any] = {role: dataclasses.asdict(c.stats) for role, c in _INSTANCES.items()}
+    """``LLM.apply_model`` helper: counters of this process's connectors (after their queued saves
+    are written), their store's, and the load drafter's."""
+    out: dict[str, Any] = {}
+    for role, c in _INSTANCES.items():
+        c.flush()
+        out[role] = {**dataclasses.asdict(c.stats), "store": dataclasses.asdict(c.store.stats)}
     out["drafts"] = drafts.stats()
     return out
 
@@ -315,6 +320,8 @@ class VeriCacheConnector(KVConnectorBase_V1):
         self._saves = queue.Queue(SAVE_QUEUE)
         self._writer = threading.Thread(target=self._write_loop, name="vericache-save", daemon=True)
         self._writer.start()
+        atexit.register(self.flush)  # queued saves are written before the worker exits
+        drafts.register_source(drafts.ChunkSource(self.store, self.space, self.opts.chunk_size))
 
     def _layouts_now(self) -> list[pl.BlockLayout]:
         if self._layouts is None:

@@ -3,10 +3,11 @@
 Tests and ``benchmarks/vllm_e2e.py`` start each engine configuration through :func:`run_engine`
 (a child ``python -m lmcache_vericache.testing.vllm_harness``): vLLM spawns workers (it needs a
 ``__main__`` guard), a failed start must not take the caller down, and every process it starts
-ends with the child. Per job: the generated token ids, wall time, and the change of vLLM's
-spec-decode counters; optionally the proposer's own stats and the runtime's logits of a probe
-sequence computed inside the worker (``LLM.apply_model``) and
-the VeriCache KV connector's counters (``"connector_stats": true``).
+ends with the child. Per job: the generated token ids, wall time, per-request time to first and
+last token, cached prompt tokens, and the change of vLLM's spec-decode counters (a job with
+``"reset_prefix_cache": true`` starts with vLLM's prefix cache emptied); optionally the proposer's
+own stats, the VeriCache KV connector's counters (``"connector_stats": true``) and the runtime's
+logits of a probe sequence computed inside the worker (``LLM.apply_model``).
 """
 
 from __future__ import annotations
@@ -73,6 +74,15 @@ def proposer_stats(model) -> dict[str, Any] | None:
     return None if p is None else {**asdict(p.stats), "live_states": len(p.states)}
 
 
+def _latencies(outs: list) -> dict[str, list[float]]:
+    """Per request: time to first token and to last token (s from arrival), from vLLM's request stats."""
+    stats = [getattr(o, "metrics", None) for o in outs]
+    if not all(getattr(m, "first_token_latency", 0) for m in stats):
+        return {}
+    return {"ttft_s": [m.first_token_latency for m in stats],
+            "last_token_s": [m.first_token_latency + m.last_token_ts - m.first_token_ts for m in stats]}
+
+
 def _main(spec_path: str) -> None:
     from functools import partial
 
@@ -88,6 +98,8 @@ def _main(spec_path: str) -> None:
     llm = LLM(**{"disable_log_stats": False, "gpu_memory_utilization": 0.3, **spec["llm"]})
     report: dict[str, Any] = {"start_s": time.perf_counter() - t0, "jobs": {}}
     for job in spec.get("jobs", []):
+        if job.get("reset_prefix_cache"):  # the next job's prefix comes from the connector (or is recomputed)
+            llm.reset_prefix_cache()
         before = _counters(llm)
         t = time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]],
@@ -100,6 +112,7 @@ def _main(spec_path: str) -> None:
             "proposer": llm.apply_model(proposer_stats)[0] if spec.get("stats") else None,
             "connector": llm.apply_model(connector_stats)[0] if spec.get("connector_stats") else None,
             "num_cached_tokens": [o.num_cached_tokens for o in outs],
+            **_latencies(outs),
         }
     if spec.get("probe_ids"):
         import torch

@@ -28,5 +28,22 @@ def test_serve_builds_the_vllm_command(capsys):
 def test_serve_rejects_bad_options_naming_the_key(capsys):
     assert main(["serve", "--dry-run", "--model", "/m", "--window", "-3"]) == 2
     assert "vericache_proposer.window" in capsys.readouterr().err
-    assert main(["serve", "--dry-run", "--model", "/m", "--max-draft", "9"]) == 2
+    assert main(["serve", "--dry-run", "--model", "/m", "--max-draft", "17"]) == 2
     assert "max_draft" in capsys.readouterr().err
+
+
+def test_serve_puts_connector_and_proposer_on_one_command_line(capsys):
+    argv = _argv(capsys, "--store-config", '{"capacity": "redis", "redis_url": "redis://127.0.0.1:6379", "draft_tokens": 24}')
+    kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert kv["kv_connector"] == "VeriCacheConnector" and kv["kv_load_failure_policy"] == "recompute"
+    assert kv["kv_connector_extra_config"]["draft_tokens"] == 24
+    assert "--speculative-config" in argv  # both flags
+    assert json.loads(argv[argv.index("--speculative-config") + 1])["num_speculative_tokens"] == 16
+    plain = _argv(capsys, "--no-connector", "--no-proposer")
+    assert "--kv-transfer-config" not in plain and "--speculative-config" not in plain
+
+
+def test_serve_rejects_a_bad_store_key_before_starting_vllm(capsys):
+    assert main(["serve", "--dry-run", "--model", "/m", "--store-config", '{"capacity": "disk", "disk_pth": "/x"}']) == 2
+    err = capsys.readouterr().err
+    assert "kv_connector_extra_config: unknown key 'disk_pth'" in err and "disk_path" in err

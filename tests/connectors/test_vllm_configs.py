@@ -34,3 +34,19 @@ def test_kv_transfer_config_is_accepted_and_matches_the_lmcache_server():
     argv = server_argv(json.loads((CONFIGS / "lmcache-server-l2.json").read_text()))
     assert extra["lmcache.mp.port"] == int(argv[argv.index("--port") + 1])
     assert extra["lmcache.mp.host"] == "tcp://" + argv[argv.index("--host") + 1]
+
+
+def test_vericache_connector_config_is_accepted_and_its_class_loads():
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from lmcache_vericache.cli.serve import connector_config
+    from lmcache_vericache.connectors.vericache_connector import VeriCacheConnector, parse_extra_config
+
+    raw = json.loads((CONFIGS / "vllm-vericache-connector.json").read_text())
+    assert raw == connector_config()  # the shipped file is what `vericache serve` passes by default
+    cfg = KVTransferConfig(**raw)
+    assert cfg.kv_load_failure_policy == "recompute" and cfg.is_kv_transfer_instance
+    assert KVConnectorFactory.get_connector_class(cfg) is VeriCacheConnector
+    opts, store = parse_extra_config(cfg.kv_connector_extra_config)
+    assert store.capacity == "disk" and opts.chunk_size % 128 == 0

@@ -1,0 +1,115 @@
+"""VeriCacheConnector's scheduler side and configuration, on vLLM's own config, request and block
+classes and a real store (disk; a real Redis server for the dead-store case). The load and save
+paths inside a running vLLM are tested end to end in tests/e2e/test_vericache_connector.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from lmcache_vericache.backends.keys import KeySpace, model_fingerprint  # noqa: E402
+from lmcache_vericache.connectors.vericache_connector import (  # noqa: E402
+    VeriCacheConnector,
+    VeriCacheConnectorMetadata,
+    parse_extra_config,
+)
+
+CHUNK = 256
+
+
+def vllm_config(extra: dict, model: str | None = None, block_size: int = 128):
+    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
+
+    from lmcache_vericache.models import ensure_smollm2
+
+    mc = ModelConfig(model=model or str(ensure_smollm2()), dtype="float32", max_model_len=4096)
+    kv = KVTransferConfig(kv_connector="VeriCacheConnector", kv_role="kv_both", kv_connector_extra_config=extra,
+                          kv_connector_module_path="lmcache_vericache.connectors.vericache_connector")
+    return VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=block_size), kv_transfer_config=kv)
+
+
+def scheduler(extra: dict) -> VeriCacheConnector:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    return VeriCacheConnector(vllm_config({"chunk_size": CHUNK, **extra}), KVConnectorRole.SCHEDULER, None)
+
+
+def request(rid: str, tokens: list[int]):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(rid, tokens, SamplingParams(max_tokens=8), None)
+
+
+def blocks(ids: list[int]):
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    return KVCacheBlocks(([KVCacheBlock(i) for i in ids],))
+
+
+def test_key_space_is_the_engines_for_the_same_weights(smollm2, tmp_path):
+    c = scheduler({"capacity": "disk", "disk_path": str(tmp_path / "kv")})
+    model, _ = smollm2
+    # The engine's space for SmolLM2 fp32 (model identity = digest of its weights, read here from
+    # the HF model, there from the safetensors folder vLLM serves).
+    assert c.space == KeySpace(model=model_fingerprint(model), dtype="float32", chunk_size=CHUNK, compressor="int8")
+
+
+def test_lookup_counts_leading_stored_chunks_and_plans_the_load(tmp_path):
+    c = scheduler({"capacity": "disk", "disk_path": str(tmp_path / "kv")})
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 49152, (1000,), generator=g).tolist()
+    keys = c.space.token_keys(prompt)
+    assert len(keys) == 3
+    for i in (0, 1, 2):
+        c.store.put(keys[i], torch.randn(2, 30, CHUNK, 192, generator=g), start=i * CHUNK)
+    req = request("r1", prompt)
+    assert c.get_num_new_matched_tokens(req, 0) == (768, True)
+    assert c.get_num_new_matched_tokens(req, 768) == (0, False)  # vLLM's own cache has it all
+    # vLLM already holds the first block (128 tokens): only the rest is loaded, into blocks 10..15.
+    assert c.get_num_new_matched_tokens(req, 128) == (640, True)
+    c.update_state_after_alloc(req, blocks(list(range(10, 18))), 640)
+    meta = c.build_connector_meta(_empty_scheduler_output())
+    assert isinstance(meta, VeriCacheConnectorMetadata) and len(meta.loads) == 1
+    load = meta.loads[0]
+    assert (load.start, load.stop, load.keys) == (128, 768, keys) and load.block_ids[:6] == list(range(10, 16))
+    assert c.build_connector_meta(_empty_scheduler_output()).loads == []  # handed over once
+
+    # A gap stops the prefix; the last prompt token is never counted (vLLM computes it).
+    other = request("r2", prompt[:768])
+    assert c.get_num_new_matched_tokens(other, 0) == (512, True)
+    assert c.get_num_new_matched_tokens(request("r3", [7] + prompt[1:]), 0) == (0, False)
+
+
+def test_dead_store_is_zero_hits_never_an_error(redis_server_factory):
+    server = redis_server_factory()
+    c = scheduler({"capacity": "redis", "redis_url": server.url, "redis_timeout_s": 1.0})
+    prompt = list(range(600))
+    c.store.put(c.space.token_keys(prompt)[0], torch.zeros(2, 30, CHUNK, 192))
+    assert c.get_num_new_matched_tokens(request("a", prompt), 0) == (256, True)
+    server.kill()
+    # The tier logs the refused connection and answers "not stored"; nothing reaches vLLM.
+    assert c.get_num_new_matched_tokens(request("b", prompt), 0) == (0, False)
+
+
+def test_bad_configuration_fails_naming_the_key(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown key 'chunksize'.*chunk_size.*\(connector\).*disk_path.*\(store\)"):
+        parse_extra_config({"chunksize": 256})
+    with pytest.raises(ValueError, match="kv_connector_extra_config: draft_tokens must be int"):
+        parse_extra_config({"draft_tokens": "many"})
+    with pytest.raises(ValueError, match="kv_connector_extra_config: capacity must be one of"):
+        parse_extra_config({"capacity": "tape"})
+    with pytest.raises(ValueError, match="chunk_size 200 must be a multiple of vLLM's block size 128"):
+        scheduler({"capacity": "disk", "disk_path": str(tmp_path / "kv"), "chunk_size": 200})
+
+
+def _empty_scheduler_output():
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+
+    return SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData.make_empty(),
+                           num_scheduled_tokens={}, total_num_scheduled_tokens=0, scheduled_spec_decode_tokens={},
+                           scheduled_encoder_inputs={}, num_common_prefix_blocks=[], finished_req_ids=set(),
+                           free_encoder_mm_hashes=[])
