@@ -93,6 +93,7 @@ def summary(job: dict, plain: dict | None, before: dict | None) -> dict:
 def run_row(name: str, spec: dict, workdir: Path, plain: dict | None) -> dict:
     from lmcache_vericache.testing.vllm_harness import run_engine
 
+
     t = time.perf_counter()
     rep = run_engine(spec, workdir / name, timeout=1800)
     res, before, prev_prop = {}, None, None
@@ -131,7 +132,6 @@ def main() -> int:
     from lmcache_vericache.models import ensure_smollm2
     from lmcache_vericache.testing.servers import LMCacheServer, RedisServer, server_binary, shipped_spec
     from lmcache_vericache.testing.throttle import ThrottledLink
-    from lmcache_vericache.testing.vllm_harness import run_engine
 
     binary = server_binary()
     if binary is None:

@@ -100,6 +100,11 @@ def register_source(source: ChunkSource | None) -> None:
     _source = source
 
 
+def can_draft() -> bool:
+    """A drafter is registered (the proposer runs in this process)."""
+    return _rt is not None
+
+
 def chunk_source() -> ChunkSource | None:
     return _source
 

@@ -23,8 +23,9 @@
   ``kv_load_failure_policy: recompute``; vLLM's default fails the request). ``wait_for_save`` copies
   each chunk to save out of the paged cache token-major (``KV_2LTD``) right after the forward and a
   writer thread ``put``\\ s it (full + compressed copy), off the forward's critical path.
-* Threading: vLLM calls every hook from one thread per role; loads run on :attr:`LOAD_THREADS`
-  threads and write only the blocks of requests vLLM is not running yet (never blocks below vLLM's
+* Threading: vLLM calls every hook from one thread per role; loads run on ``LOAD_THREADS``
+  threads (concurrent loads of one prefix share each chunk's read: it crosses the link once) and
+  write only the blocks of requests vLLM is not running yet (never blocks below vLLM's
   own computed prefix, which other requests may share); saves run on one writer thread with a
   bounded queue (a full queue drops the save and counts it: a lost save is a later miss).
 * One store per process and config (scheduler and worker share it when vLLM runs them in one
@@ -42,7 +43,7 @@ import re
 import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,7 +66,7 @@ from . import paged_layout as pl
 logger = logging.getLogger("vllm." + __name__)  # shown by vLLM's log handler
 Tensor = torch.Tensor
 WHERE = "kv_connector_extra_config"
-LOAD_THREADS = 2
+LOAD_THREADS = 8  # concurrent request loads (threads mostly wait on the store)
 SAVE_QUEUE = 64
 
 
@@ -205,6 +206,7 @@ class VeriCacheConnector(KVConnectorBase_V1):
         self._lock = threading.Lock()
         self._finished: set[str] = set()
         self._errors: set[int] = set()
+        self._inflight: dict[str, Future] = {}  # full-chunk reads shared by concurrent loads
         self._loader: ThreadPoolExecutor | None = None
         self._saves: queue.Queue | None = None
         self._writer: threading.Thread | None = None
@@ -351,19 +353,18 @@ class VeriCacheConnector(KVConnectorBase_V1):
         job = None
         try:
             layouts = self._layouts_now()
-            handle = self.store.prefetch(spec.keys)
-            if self.opts.draft_tokens:
+            chunks = self._fetch(spec.keys)
+            if self.opts.draft_tokens and drafts.can_draft():  # no proposer: no compressed bytes moved
                 ckvs = self.store.get_compressed_prefix(self.space.token_keys(spec.prompt[:spec.stop]))
                 if ckvs:
                     job = drafts.start(spec.prompt, ckvs, self.store.compressor, len(ckvs) * c, self.opts.draft_tokens)
                     self.stats.compressed_chunks += len(ckvs) if job is not None else 0
             blocks = torch.tensor(spec.block_ids)
             for i in range(len(spec.keys)):
-                full = handle.wait(i)
+                full = chunks[i].result()
                 lo, hi = first + i * c, first + (i + 1) * c
                 if full is None or tuple(full.shape[:3]) != (2, len(self._layers), c):
-                    handle.cancel()  # a miss or a corrupt chunk: vLLM recomputes from here
-                    break
+                    break  # a miss or a corrupt chunk: vLLM recomputes from here
                 self._write(full[:, :, max(0, spec.start - lo):], blocks, max(lo, spec.start), hi, layouts)
                 written = hi
         except Exception as e:  # store down mid-load, bad layout: vLLM recomputes what is missing
@@ -382,6 +383,45 @@ class VeriCacheConnector(KVConnectorBase_V1):
                 self.stats.failed_blocks += len(failed)
                 self._errors.update(failed)
             self._finished.add(spec.req_id)
+
+    def _fetch(self, keys: list[str]) -> list[Future]:
+        """Full chunks of ``keys`` as futures, read once for all loads in flight: requests sharing a
+        prefix that load at the same time (one step's new requests) share each chunk's read, so the
+        prefix crosses the link once, not once per request. Chunks are forgotten once read (a later
+        load reads them again); a read that fails gives ``None`` for it and every later key."""
+        mine: list[tuple[str, Future]] = []
+        with self._lock:
+            futures = []
+            for key in keys:
+                fut = self._inflight.get(key)
+                if fut is None:
+                    fut = self._inflight[key] = Future()
+                    mine.append((key, fut))
+                futures.append(fut)
+        if mine:
+            threading.Thread(target=self._read_chunks, args=(mine,), name="vericache-read", daemon=True).start()
+        return futures
+
+    def _read_chunks(self, todo: list[tuple[str, Future]]) -> None:
+        results: list[Tensor | None] = []
+        try:
+            handle = self.store.prefetch([k for k, _ in todo])
+            for i, (key, fut) in enumerate(todo):
+                full = handle.wait(i)
+                self._resolve(key, fut, full)
+                results.append(full)
+        except Exception as e:  # the store failed mid-read: the rest are misses
+            logger.warning("vericache connector: full-chunk read failed (%s: %s)", type(e).__name__, e)
+        finally:
+            for key, fut in todo[len(results):]:
+                self._resolve(key, fut, None)
+
+    def _resolve(self, key: str, fut: Future, value: Tensor | None) -> None:
+        with self._lock:
+            if self._inflight.get(key) is fut:
+                del self._inflight[key]
+        if not fut.done():
+            fut.set_result(value)
 
     def _write(self, full: Tensor, blocks: Tensor, lo: int, hi: int, layouts: list[pl.BlockLayout]) -> None:
         """Write ``full`` (``KV_2LTD`` of positions ``[lo, hi)``) into each layer's paged cache."""
