@@ -12,14 +12,18 @@ The connector and the proposer live in the same worker process and meet here: th
 :func:`register`\\ s its runtime, the connector calls :func:`start`. vLLM's CPU kernels (oneDNN
 GEMMs) are not safe to run from two threads at once (a segfault when a draft step overlapped vLLM's
 forward), so every forward over the model holds :data:`model_lock`: vLLM's own (the proposer's
-forward hooks and ``compute_logits`` take it), the proposer's drafts, and each draft step here. Drafting thus fills the
-gaps between vLLM's steps, such as the wait for a prefix load. Without a proposer (or with a
+forward hooks and ``compute_logits`` take it), the proposer's drafts, and each draft step here; and
+a draft step starts only while vLLM's forward is not waiting (:data:`vllm_idle`). Drafting thus fills
+the gaps between vLLM's steps, such as the wait for a prefix load, and one thread drafts for every
+loading request in one batched forward per step. A job stops when its load finishes (its request
+runs next), at ``n`` drafts, or when the proposer takes it. Without a proposer (or with a
 runtime that fails) nothing is drafted and serving is unchanged. Drafts are keyed by the prompt's
 tokens; at most :data:`MAX_PENDING` are kept (oldest dropped).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -33,7 +37,7 @@ import torch
 from ..backends.keys import KeySpace
 from ..backends.store import DualTierStore
 from ..compressors import CompressedKV, KVCompressor
-from ..engine.cache import append_chunks
+from ..engine.cache import KVCache, append_chunks
 from ..engine.runtime import Runtime, Segment
 
 logger = logging.getLogger("vllm." + __name__)  # shown by vLLM's log handler
@@ -51,17 +55,22 @@ class DraftStats:
 
 
 class DraftJob:
-    """One request's drafting; drafts grow in ``tokens`` until ``n``, :meth:`stop` or an error."""
+    """One request's drafting; drafts grow in ``tokens`` until ``n``, the end of its load, or
+    :meth:`stop`."""
 
-    def __init__(self, prompt: Sequence[int], n: int):
+    def __init__(self, prompt: Sequence[int], n: int, cache: KVCache, prefix: int):
         self.prompt, self.n = tuple(prompt), n
         self.tokens: list[int] = []
+        self.cache = cache
+        self.next = list(self.prompt[prefix:])  # tokens of the next forward (the tail, then one draft)
+        self.pos = prefix
         self._loaded = threading.Event()
         self._stop = threading.Event()
         self.done = threading.Event()
 
     def load_done(self) -> None:
-        """The full prefix is in vLLM's blocks (drafts after this are no longer 'during the load')."""
+        """The full prefix is in vLLM's blocks: drafting stops (vLLM runs the request next and the
+        drafter must not compete with it for the cores)."""
         self._loaded.set()
 
     def stop(self) -> list[int]:
@@ -69,6 +78,10 @@ class DraftJob:
         self._stop.set()
         self.done.wait(30)
         return list(self.tokens)
+
+    @property
+    def active(self) -> bool:
+        return len(self.tokens) < self.n and not self._stop.is_set() and not self._loaded.is_set()
 
 
 @dataclass(frozen=True)
@@ -83,7 +96,12 @@ class ChunkSource:
 _rt: Runtime | None = None
 _source: ChunkSource | None = None
 model_lock = threading.RLock()  # held by every forward over the served model's modules (re-entrant: logits)
+vllm_idle = threading.Event()  # cleared while vLLM's own forward wants the model: the drafter waits
+vllm_idle.set()
 _lock = threading.Lock()
+_work = threading.Condition(_lock)
+_active: list[DraftJob] = []
+_thread: threading.Thread | None = None
 _jobs: OrderedDict[tuple[int, ...], DraftJob] = OrderedDict()
 _stats = DraftStats()
 
@@ -116,18 +134,26 @@ def stats() -> dict[str, Any]:
 def start(prompt: Sequence[int], ckvs: list[CompressedKV], compressor: KVCompressor, prefix: int,
           n: int) -> DraftJob | None:
     """Draft ``n`` tokens after ``prompt`` over the compressed chunks ``ckvs`` (its first ``prefix``
-    tokens), on a new thread. ``None`` if no drafter is registered or nothing is left to prefill."""
+    tokens). Builds the draft cache here (the caller's thread), then hands the job to the drafter
+    thread, which runs every active job in one batched forward per step. ``None`` if no drafter is
+    registered or nothing is left to prefill."""
+    global _thread
     rt = _rt
     if rt is None or n <= 0 or not ckvs or prefix >= len(prompt):
         return None
-    job = DraftJob(prompt, n)
-    with _lock:
+    cache = rt.new_cache(8)
+    append_chunks(cache, ckvs, compressor, room=len(prompt) - prefix + n + 1)
+    job = DraftJob(prompt, n, cache, prefix)
+    with _work:
         _jobs[job.prompt] = job
         while len(_jobs) > MAX_PENDING:
             _jobs.popitem(last=False)[1]._stop.set()
         _stats.jobs += 1
-    threading.Thread(target=_run, args=(rt, job, ckvs, compressor, prefix), name="vericache-draft",
-                     daemon=True).start()
+        _active.append(job)
+        if _thread is None:
+            _thread = threading.Thread(target=_drafter, args=(rt,), name="vericache-draft", daemon=True)
+            _thread.start()
+        _work.notify()
     return job
 
 
@@ -151,29 +177,37 @@ def count_use(matched: bool) -> None:
             _stats.mismatched += 1
 
 
-def _run(rt: Runtime, job: DraftJob, ckvs: list[CompressedKV], compressor: KVCompressor, prefix: int) -> None:
-    t0 = time.perf_counter()
-    try:
-        tail = job.prompt[prefix:]
-        cache = rt.new_cache(8)
-        append_chunks(cache, ckvs, compressor, room=len(tail) + job.n + 1)
-        tokens = torch.tensor(tail)
-        positions = torch.arange(prefix, len(job.prompt))
-        rows = torch.tensor([len(tail) - 1])
-        for step in range(job.n):
-            if job._stop.is_set():
-                break
+def _drafter(rt: Runtime) -> None:
+    """One thread for all jobs: each step, one forward over every active job (a new job's tail
+    prefill or the last draft), only while vLLM's own forward does not want the model."""
+    while True:
+        with _work:
+            for job in [j for j in _active if not j.active]:
+                _active.remove(job)
+                job.done.set()
+            while not _active:
+                _work.wait()
+            jobs = list(_active)
+        vllm_idle.wait()  # vLLM's steps first: drafting fills the gaps (the wait for a load)
+        t0 = time.perf_counter()
+        try:
+            tokens = torch.tensor([t for j in jobs for t in j.next])
+            positions = torch.cat([torch.arange(j.pos, j.pos + len(j.next)) for j in jobs])
+            rows = torch.tensor(list(itertools.accumulate(len(j.next) for j in jobs))) - 1
             with model_lock:
-                logits, _ = rt.forward(tokens, positions, [Segment(cache, len(tokens))], rows=rows)
-            t = int(logits[-1].argmax())
-            job.tokens.append(t)
-            with _lock:
-                _stats.tokens += 1
-                _stats.during_load += not job._loaded.is_set()
-            tokens, positions, rows = torch.tensor([t]), torch.tensor([len(job.prompt) + step]), None
-    except Exception as e:  # drafting is an optimisation: a failure only loses the drafts
-        logger.warning("vericache drafts: drafting during the load failed (%s: %s)", type(e).__name__, e)
-    finally:
-        with _lock:
+                logits, _ = rt.forward(tokens, positions, [Segment(j.cache, len(j.next)) for j in jobs], rows=rows)
+            picks = logits.argmax(-1).tolist()
+        except Exception as e:  # drafting is an optimisation: a failure only loses the drafts
+            logger.warning("vericache drafts: drafting during the load failed (%s: %s)", type(e).__name__, e)
+            picks = None
+        with _work:
             _stats.draft_s += time.perf_counter() - t0
-        job.done.set()
+            for j, t in zip(jobs, picks or [None] * len(jobs)):
+                if t is None:
+                    j._stop.set()
+                    continue
+                j.pos += len(j.next)
+                j.next = [t]
+                j.tokens.append(t)
+                _stats.tokens += 1
+                _stats.during_load += not j._loaded.is_set()

@@ -22,9 +22,12 @@ environment variables (``additional_config`` wins):
   engine's :class:`~lmcache_vericache.engine.horizon.Horizon`: double after full acceptance, about
   1.5x the recent accepted run after a rejection). Drafting costs a target-model forward per token,
   so drafts past the likely first mismatch are pure cost.
-* ``gate`` (bool, default true): propose only while proposing pays (:class:`PayGate`): tokens per
-  second of steps after a proposal against steps without, measured in the run; where drafting
-  does not beat a plain step the proposer goes quiet, probing again ever more rarely.
+* ``gate`` (bool, default true): propose only where and while proposing pays. First the bytes
+  bound: where a draft step would read more than ``MAX_BYTES_RATIO`` (3/4) of a plain step's bytes
+  (weights dominate: short contexts, small batches) the proposer stays quiet; otherwise
+  :class:`PayGate` compares tokens per second of steps after a proposal against steps without,
+  measured in the run, and goes quiet where drafting does not beat a plain step, probing again ever
+  more rarely.
 
 With the package's KV connector (:mod:`.vericache_connector`) in the same vLLM, the proposer drafts
 over the store's compressed chunks (the connector's compressor and chunk size; ``compressor`` and
@@ -150,6 +153,28 @@ class ProposerStats:
     gated_steps: int = 0  # steps the gate kept quiet
 
 
+#: A draft step must read at most this share of a plain step's bytes for the proposer to probe at all.
+MAX_BYTES_RATIO = 0.75
+
+
+def _weight_bytes(folder: str | None, dtype: torch.dtype) -> int | None:
+    """Bytes of the served weights in ``dtype``, from the safetensors headers (no tensor is read);
+    ``None`` where the model is not a local safetensors folder."""
+    from pathlib import Path
+
+    files = sorted(Path(folder).glob("*.safetensors")) if folder and Path(folder).is_dir() else []
+    if not files:
+        return None
+    from safetensors import safe_open
+
+    size = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            total += sum(int(np.prod(h.get_slice(n).get_shape())) for n in h.keys())
+    return total * size
+
+
 class PayGate:
     """Proposes only while it pays, from tokens per second measured in the run.
 
@@ -226,6 +251,9 @@ class CompressedKVProposer:
         self.states: list[_State] = []
         self.stats = ProposerStats()
         self.gate = PayGate() if self.opts.gate else None
+        mc = vllm_config.model_config
+        self._weight_bytes = _weight_bytes(getattr(mc, "model", None), getattr(mc, "dtype", torch.float32))
+        self._ckv_ratio: float | None = None
         self.rt = None
         self._attn: list[torch.nn.Module] = []
         self._caches: list[tuple[Tensor, pl.BlockLayout]] | None = None
@@ -236,12 +264,16 @@ class CompressedKVProposer:
     def load_model(self, target_model: torch.nn.Module) -> None:
         self.rt = runtime_for(target_model)
         drafts.register(self.rt)  # the KV connector's load window drafts with these weights
+        rt = self.rt
+        probe = torch.randn(2, rt.num_layers, self.opts.chunk_size, rt.num_kv_heads * rt.head_dim).to(rt.dtype)
+        ckv = self.compressor.compress(probe, rt.num_kv_heads)
+        self._ckv_ratio = ckv.nbytes / ckv.full_nbytes
         self._attn = [layer.self_attn.attn for layer in target_model.model.layers]
         target_model.register_forward_pre_hook(self._capture)
         # vLLM's forward and the load-window drafter must not run the model at once (drafts.model_lock).
         # (A hook returning a value would replace the forward's inputs / output: these return None.)
-        target_model.register_forward_pre_hook(lambda *_: None if drafts.model_lock.acquire() else None)
-        target_model.register_forward_hook(lambda *_: drafts.model_lock.release(), always_call=True)
+        target_model.register_forward_pre_hook(self._enter_forward)
+        target_model.register_forward_hook(self._leave_forward, always_call=True)
         compute_logits = target_model.compute_logits
 
         def locked_logits(*args: Any, **kwargs: Any) -> Any:
@@ -250,6 +282,16 @@ class CompressedKVProposer:
 
         target_model.compute_logits = locked_logits
         target_model._vericache_proposer = self  # reachable from LLM.apply_model (stats, tests)
+
+    @staticmethod
+    def _enter_forward(*_: Any) -> None:
+        drafts.vllm_idle.clear()  # the load drafter yields before its next step
+        drafts.model_lock.acquire()
+
+    @staticmethod
+    def _leave_forward(*_: Any) -> None:
+        drafts.model_lock.release()
+        drafts.vllm_idle.set()
 
     def _capture(self, module: torch.nn.Module, args: Any) -> None:
         """Keep the block table of the step's forward; ``propose`` runs after it in the same step."""
@@ -271,8 +313,8 @@ class CompressedKVProposer:
         if self._first:
             self._count_first_acceptance(num_tokens_no_spec, token_ids_cpu)
         pre = self._load_drafts(out, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) if drafts.pending() else set()
-        if self.gate is not None and not self.gate.step(
-                [int(num_tokens_no_spec[i]) if len(s) else -1 for i, s in enumerate(sampled_token_ids)]):
+        lengths = [int(num_tokens_no_spec[i]) if len(s) else -1 for i, s in enumerate(sampled_token_ids)]
+        if self.gate is not None and (not self._may_pay(lengths) or not self.gate.step(lengths)):
             self.stats.gated_steps += 1
             return out  # quiet: states are kept and caught up when proposing again
         claimed: list[_State] = []
@@ -310,6 +352,17 @@ class CompressedKVProposer:
         self.stats.draft_s += time.perf_counter() - t1
         self.stats.proposed += sum(len(o) for o in out)
         return out
+
+    def _may_pay(self, lengths: list[int]) -> bool:
+        """The bytes bound: a draft step must read at most ``MAX_BYTES_RATIO`` of the bytes of a
+        plain step (weights plus every row's KV, against weights plus compressed KV). Where the
+        weights dominate (short contexts, small batches) no acceptance can make drafting pay,
+        so the proposer does not even probe (building draft states alone would cost more than the
+        5% it may)."""
+        if self._weight_bytes is None or self._ckv_ratio is None:
+            return True
+        kv = sum(n for n in lengths if n > 0) * self.rt.kv_bytes_per_token()
+        return self._weight_bytes + self._ckv_ratio * kv <= MAX_BYTES_RATIO * (self._weight_bytes + kv)
 
     def _load_drafts(self, out: list[list[int]], sampled_token_ids: list, num_tokens_no_spec: np.ndarray,
                      token_ids_cpu: np.ndarray) -> set[int]:
@@ -357,7 +410,10 @@ class CompressedKVProposer:
         return best
 
     def _horizon(self) -> Horizon:
-        return Horizon("auto" if self.opts.adaptive else self.max_draft, self.max_draft, start_len=self.max_draft)
+        # Adaptive drafts start short and double after full acceptance: on a CPU each draft token is
+        # a forward of the served model, so a long first draft is a costly guess.
+        start = min(4, self.max_draft) if self.opts.adaptive else self.max_draft
+        return Horizon("auto" if self.opts.adaptive else self.max_draft, self.max_draft, start_len=start)
 
     def _sync(self, st: _State, row: np.ndarray, block_ids: Tensor, n_draft: int) -> None:
         """Bring the draft cache to the committed tokens ``row[:-1]`` (the last one has no KV yet):

@@ -207,6 +207,7 @@ class VeriCacheConnector(KVConnectorBase_V1):
         self._finished: set[str] = set()
         self._errors: set[int] = set()
         self._inflight: dict[str, Future] = {}  # full-chunk reads shared by concurrent loads
+        self._ckv_lock = threading.Lock()
         self._loader: ThreadPoolExecutor | None = None
         self._saves: queue.Queue | None = None
         self._writer: threading.Thread | None = None
@@ -355,7 +356,8 @@ class VeriCacheConnector(KVConnectorBase_V1):
             layouts = self._layouts_now()
             chunks = self._fetch(spec.keys)
             if self.opts.draft_tokens and drafts.can_draft():  # no proposer: no compressed bytes moved
-                ckvs = self.store.get_compressed_prefix(self.space.token_keys(spec.prompt[:spec.stop]))
+                with self._ckv_lock:  # one at a time: loads sharing a prefix then find its chunks hot
+                    ckvs = self.store.get_compressed_prefix(self.space.token_keys(spec.prompt[:spec.stop]))
                 if ckvs:
                     job = drafts.start(spec.prompt, ckvs, self.store.compressor, len(ckvs) * c, self.opts.draft_tokens)
                     self.stats.compressed_chunks += len(ckvs) if job is not None else 0
