@@ -11,8 +11,11 @@ seeded sampling (T=0.8, top-p 0.95), 32 and 128 new tokens. Rows:
 * ``lmcache_mp``: LMCache's MP connector + ``lmcache server`` with this package's L2 adapter over
   the link (full chunks only, the LMCache-native path); with ``--no-lmcache`` left out;
 * ``full``: this package's connector loading full chunks only (no proposer);
-* ``vericache``: the connector + proposer: compressed chunks first, drafting over them while the
-  full chunks stream in, the drafts proposed at the first step (``num_speculative_tokens --k``).
+* ``vericache``: the connector + proposer with their defaults (``vericache serve``): on a CPU host
+  no drafting during the load, the proposer gated by its bytes bound and pay gate;
+* ``vericache_draft``: the same with ``draft_tokens: --k``: compressed chunks first, drafting over
+  them while the full chunks stream in, the drafts proposed at the first step
+  (``num_speculative_tokens --k``).
 
 Per row, rate and job: median time to first / last token over the requests, outputs identical to
 plain (greedy: token for token; sampled: same seed, so the same tokens when verification is exact),
@@ -80,7 +83,10 @@ def summary(job: dict, plain: dict | None, before: dict | None) -> dict:
     if worker:
         prev = (before or {}).get("worker", {}).get("store", {})
         out["bytes_read"] = worker["store"]["bytes_read"] - prev.get("bytes_read", 0)
-        out["failed_chunks"] = worker["failed_chunks"] - (before or {}).get("worker", {}).get("failed_chunks", 0)
+        prev_w = (before or {}).get("worker", {})
+        out["failed_chunks"] = worker["failed_chunks"] - prev_w.get("failed_chunks", 0)
+        loads = worker["loads"] - prev_w.get("loads", 0)
+        out["load_s"] = round((worker["load_s"] - prev_w.get("load_s", 0.0)) / loads, 3) if loads else None
     prop = job.get("proposer")
     if prop:
         seen = len((job.get("_prev_proposer") or {}).get("load_accepted", []))
@@ -150,7 +156,7 @@ def main() -> int:
         "model": "SmolLM2-135M-Instruct", "dtype": "float32", "prefix_tokens": args.prefix_tokens,
         "requests": args.requests, "tail_tokens": 32, "k": args.k, "compressor": args.compressor,
         "chunk_size": CHUNK, "rates_MBps": rates, "jobs": [j["name"] for j in job_list]}, "rows": {}}
-    n_runs = 2 + len(rates) * (2 + (not args.no_lmcache)) + (not args.no_lmcache)
+    n_runs = 2 + len(rates) * (3 + (not args.no_lmcache)) + (not args.no_lmcache)
     say(f"{n_runs} vLLM processes of ~1 min each (SmolLM2 fp32, {args.requests} x {len(prompts[0])} tokens)")
 
     redis = RedisServer(binary)
@@ -180,12 +186,15 @@ def main() -> int:
             remote = {**store, "redis_url": link.url()}
             for rate in rates:
                 link.rate = rate * 1e6
+                spec_cfg = {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": args.k}
                 rows = {"full": {"llm": {**base, "kv_transfer_config": connector({**remote, "draft_tokens": 0})},
                                  "connector_stats": True, "jobs": job_list},
                         "vericache": {"llm": {**base, "kv_transfer_config": connector(remote),
-                                              "speculative_config": {"method": "custom_class", "model": PROPOSER,
-                                                                     "num_speculative_tokens": args.k}},
-                                      "connector_stats": True, "stats": True, "jobs": job_list}}
+                                              "speculative_config": spec_cfg},
+                                      "connector_stats": True, "stats": True, "jobs": job_list},
+                        "vericache_draft": {"llm": {**base, "speculative_config": spec_cfg,
+                                                    "kv_transfer_config": connector({**remote, "draft_tokens": args.k})},
+                                            "connector_stats": True, "stats": True, "jobs": job_list}}
                 if mp_store is not None:
                     rows = {"lmcache_mp": {"llm": {**base, "kv_transfer_config": mp_store}, "jobs": job_list}, **rows}
                 for name, spec in rows.items():
@@ -207,20 +216,20 @@ def main() -> int:
 
 
 def ratios(results: dict, rates: list[float]) -> dict:
-    """Per rate and job: time to last token of the full-chunk paths over VeriCache's (> 1: VeriCache
-    is sooner) and VeriCache against plain vLLM."""
+    """Per rate, VeriCache row and job: time to last token of the full-chunk paths over VeriCache's
+    (> 1: VeriCache is sooner) and of plain vLLM over VeriCache's."""
     rows, out = results["rows"], {}
     plain = rows["plain"]["_"]
     for rate in rates:
         key = f"{rate:g}"
-        v = rows["vericache"][key]
-        for job, r in v.items():
-            entry = {"vs_full": round(rows["full"][key][job]["last_token_s"] / r["last_token_s"], 3),
-                     "vs_plain": round(plain[job]["last_token_s"] / r["last_token_s"], 3),
-                     "alpha": r.get("alpha"), "identical": r.get("identical")}
-            if "lmcache_mp" in rows:
-                entry["vs_lmcache_mp"] = round(rows["lmcache_mp"][key][job]["last_token_s"] / r["last_token_s"], 3)
-            out.setdefault(key, {})[job] = entry
+        for name in ("vericache", "vericache_draft"):
+            for job, r in rows[name][key].items():
+                entry = {"vs_full": round(rows["full"][key][job]["last_token_s"] / r["last_token_s"], 3),
+                         "vs_plain": round(plain[job]["last_token_s"] / r["last_token_s"], 3),
+                         "alpha": r.get("alpha"), "identical": r.get("identical")}
+                if "lmcache_mp" in rows:
+                    entry["vs_lmcache_mp"] = round(rows["lmcache_mp"][key][job]["last_token_s"] / r["last_token_s"], 3)
+                out.setdefault(key, {}).setdefault(name, {})[job] = entry
     return out
 
 

@@ -179,7 +179,9 @@ def count_use(matched: bool) -> None:
 
 def _drafter(rt: Runtime) -> None:
     """One thread for all jobs: each step, one forward over every active job (a new job's tail
-    prefill or the last draft), only while vLLM's own forward does not want the model."""
+    prefill or the last draft), only while vLLM's own forward does not want the model, on one
+    intra-op thread (this thread's setting): the load it overlaps needs a core too."""
+    torch.set_num_threads(1)
     while True:
         with _work:
             for job in [j for j in _active if not j.active]:

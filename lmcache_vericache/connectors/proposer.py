@@ -264,10 +264,12 @@ class CompressedKVProposer:
     def load_model(self, target_model: torch.nn.Module) -> None:
         self.rt = runtime_for(target_model)
         drafts.register(self.rt)  # the KV connector's load window drafts with these weights
+        # What a draft step reads per token of context: the draft cache is dense (decompressed), so
+        # the share of entries a chunk keeps (quantizers: all of them), not its stored bytes.
         rt = self.rt
         probe = torch.randn(2, rt.num_layers, self.opts.chunk_size, rt.num_kv_heads * rt.head_dim).to(rt.dtype)
-        ckv = self.compressor.compress(probe, rt.num_kv_heads)
-        self._ckv_ratio = ckv.nbytes / ckv.full_nbytes
+        kept = sum(layer.keys.shape[1] for layer in self.compressor.decompress(self.compressor.compress(probe, rt.num_kv_heads)))
+        self._ckv_ratio = kept / (rt.num_layers * self.opts.chunk_size)
         self._attn = [layer.self_attn.attn for layer in target_model.model.layers]
         target_model.register_forward_pre_hook(self._capture)
         # vLLM's forward and the load-window drafter must not run the model at once (drafts.model_lock).
@@ -355,7 +357,9 @@ class CompressedKVProposer:
 
     def _may_pay(self, lengths: list[int]) -> bool:
         """The bytes bound: a draft step must read at most ``MAX_BYTES_RATIO`` of the bytes of a
-        plain step (weights plus every row's KV, against weights plus compressed KV). Where the
+        plain step (weights plus every row's KV, against weights plus the KV entries the draft
+        cache keeps: a quantizer's chunks are decompressed, so int8 drafting reads as much as a
+        plain step and never passes). Where the
         weights dominate (short contexts, small batches) no acceptance can make drafting pay,
         so the proposer does not even probe (building draft states alone would cost more than the
         5% it may)."""

@@ -77,11 +77,15 @@ class ConnectorOptions:
     chunk_size: int = 256  # tokens per stored chunk; a multiple of vLLM's block size
     save: bool = True  # store complete prompt chunks vLLM computes
     load: bool = True  # serve stored prefixes to vLLM
-    draft_tokens: int = 32  # drafts made over the compressed prefix while the full one loads (0: off)
+    # Drafts made over the compressed prefix while the full one loads (0: off). None: 32 where the
+    # load moves by DMA (CUDA), 0 on a CPU host, where the load itself needs the cores (receiving,
+    # verifying and writing the chunks) and drafting beside it made loads slower than they saved
+    # (benchmarks/remote_prefix.py, README "Serving with vLLM").
+    draft_tokens: int | None = None
 
     def validate(self) -> None:
         for name, low in (("chunk_size", 1), ("draft_tokens", 0)):
-            if getattr(self, name) < low:
+            if getattr(self, name) is not None and getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
 
 
@@ -182,6 +186,9 @@ class VeriCacheConnector(KVConnectorBase_V1):
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.opts, config = parse_extra_config(extra)
         mc = vllm_config.model_config
+        self.draft_tokens = self.opts.draft_tokens
+        if self.draft_tokens is None:
+            self.draft_tokens = 0 if str(getattr(vllm_config.device_config, "device_type", "cpu")) == "cpu" else 32
         self.block_size = int(vllm_config.cache_config.block_size)
         if self.opts.chunk_size % self.block_size:
             raise ValueError(f"{WHERE}: chunk_size {self.opts.chunk_size} must be a multiple of vLLM's "
@@ -355,11 +362,11 @@ class VeriCacheConnector(KVConnectorBase_V1):
         try:
             layouts = self._layouts_now()
             chunks = self._fetch(spec.keys)
-            if self.opts.draft_tokens and drafts.can_draft():  # no proposer: no compressed bytes moved
+            if self.draft_tokens and drafts.can_draft():  # no proposer: no compressed bytes moved
                 with self._ckv_lock:  # one at a time: loads sharing a prefix then find its chunks hot
                     ckvs = self.store.get_compressed_prefix(self.space.token_keys(spec.prompt[:spec.stop]))
                 if ckvs:
-                    job = drafts.start(spec.prompt, ckvs, self.store.compressor, len(ckvs) * c, self.opts.draft_tokens)
+                    job = drafts.start(spec.prompt, ckvs, self.store.compressor, len(ckvs) * c, self.draft_tokens)
                     self.stats.compressed_chunks += len(ckvs) if job is not None else 0
             blocks = torch.tensor(spec.block_ids)
             for i in range(len(spec.keys)):

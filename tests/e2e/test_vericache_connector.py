@@ -100,7 +100,7 @@ def test_shared_prefix_drafts_during_the_load_and_matches_plain_vllm(setup):
     assert a["tokens"][0] == plain["shared"]["tokens"][0]  # saving changes nothing
 
     with ThrottledLink(setup["server"].port, rate=60e6) as link:
-        store = {**setup["store"], "redis_url": link.url()}
+        store = {**setup["store"], "redis_url": link.url(), "draft_tokens": 32}  # (off by default on CPU)
         b = run_engine({"llm": llm(setup["model"], store, proposer=True),
                         "jobs": [greedy("shared", setup["shared"]), greedy("engine", [setup["engine"]["prompt_tokens"]])],
                         "connector_stats": True, "stats": True}, setup["tmp"] / "b")
