@@ -23,11 +23,8 @@
   ``kv_load_failure_policy: recompute``; vLLM's default fails the request). ``wait_for_save`` copies
   each chunk to save out of the paged cache token-major (``KV_2LTD``) right after the forward and a
   writer thread ``put``\\ s it (full + compressed copy), off the forward's critical path.
-* Threading: vLLM calls every hook from one thread per role; loads run on ``LOAD_THREADS``
-  threads (concurrent loads of one prefix share each chunk's read: it crosses the link once) and
-  write only the blocks of requests vLLM is not running yet (never blocks below vLLM's
-  own computed prefix, which other requests may share); saves run on one writer thread with a
-  bounded queue (a full queue drops the save and counts it: a lost save is a later miss).
+* The worker side's data movement (loads, shared reads, saves, their threads and failure rules)
+  is :class:`~lmcache_vericache.connectors.paged_transfer.PagedTransfer`; the hooks here are thin.
 * One store per process and config (scheduler and worker share it when vLLM runs them in one
   process), so ``capacity: memory`` works within one vLLM instance; share across instances with
   disk, redis, redis_cluster, lm or nixl.
@@ -38,12 +35,9 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
-import queue
 import re
 import threading
-import time
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,16 +52,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ..backends import StoreConfig
 from ..backends.keys import KeySpace, folder_fingerprint
 from ..backends.store import DualTierStore
-from ..engine.cache import kv_to_2ltd
 from ..options import parse_options
 from . import drafts
-from . import paged_layout as pl
+from .paged_transfer import ConnectorStats, LoadSpec, PagedTransfer, SaveSpec
 
 logger = logging.getLogger("vllm." + __name__)  # shown by vLLM's log handler
 Tensor = torch.Tensor
 WHERE = "kv_connector_extra_config"
-LOAD_THREADS = 8  # concurrent request loads (threads mostly wait on the store)
-SAVE_QUEUE = 64
 
 
 @dataclass(frozen=True)
@@ -117,51 +108,11 @@ def _shared_store(config: StoreConfig) -> DualTierStore:
         return _STORES[key]
 
 
-# -- scheduler -> worker metadata -------------------------------------------------------------------
-@dataclass
-class LoadSpec:
-    """Load chunks ``keys`` (tokens ``[stop - len(keys)*chunk, stop)``) into ``block_ids``, writing
-    positions from ``start`` on (before it are vLLM's own blocks)."""
-
-    req_id: str
-    keys: list[str]
-    block_ids: list[int]
-    start: int
-    stop: int
-    prompt: list[int]
-
-
-@dataclass
-class SaveSpec:
-    """Save chunks ``(key, first token)`` of one request, read from its ``block_ids``."""
-
-    req_id: str
-    chunks: list[tuple[str, int]]
-    block_ids: list[int]
-
-
+# -- scheduler -> worker metadata (LoadSpec / SaveSpec: paged_transfer) -----------------------------
 @dataclass
 class VeriCacheConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
-
-
-@dataclass
-class ConnectorStats:
-    """Counters of one connector instance (``connector_stats`` reads them inside vLLM)."""
-
-    lookups: int = 0  # prompts looked up (scheduler)
-    lookup_errors: int = 0  # lookups the store failed (counted as 0 hits)
-    hit_tokens: int = 0  # tokens reported to vLLM as loadable (scheduler)
-    loads: int = 0  # requests loaded (worker)
-    loaded_chunks: int = 0
-    failed_chunks: int = 0  # chunks missing / corrupt at load: vLLM recomputes them
-    failed_blocks: int = 0
-    load_s: float = 0.0  # summed wall time of loads
-    compressed_chunks: int = 0  # compressed chunks handed to the drafter
-    saved_chunks: int = 0
-    save_dropped: int = 0  # saves dropped (queue full)
-    save_errors: int = 0
 
 
 _INSTANCES: dict[str, VeriCacheConnector] = {}
@@ -207,17 +158,7 @@ class VeriCacheConnector(KVConnectorBase_V1):
         self._blocks: dict[str, list[int]] = {}
         self._prompts: dict[str, list[int]] = {}
         self._saved_to: dict[str, int] = {}  # prompt tokens before this are saved or known stored
-        # worker state
-        self._layers: list[Tensor] = []
-        self._layouts: list[pl.BlockLayout] | None = None
-        self._lock = threading.Lock()
-        self._finished: set[str] = set()
-        self._errors: set[int] = set()
-        self._inflight: dict[str, Future] = {}  # full-chunk reads shared by concurrent loads
-        self._ckv_lock = threading.Lock()
-        self._loader: ThreadPoolExecutor | None = None
-        self._saves: queue.Queue | None = None
-        self._writer: threading.Thread | None = None
+        self.transfer: PagedTransfer | None = None  # worker side, from register_kv_caches
 
     def _key_space(self, mc: Any) -> KeySpace:
         model = self.config.model_id
@@ -317,129 +258,25 @@ class VeriCacheConnector(KVConnectorBase_V1):
         self._forget(request.request_id)
         return False, None  # saves copy the KV out during the step: blocks may be freed now
 
-    # == worker side ================================================================================
+    # == worker side: thin hooks over PagedTransfer =================================================
     def register_kv_caches(self, kv_caches: dict[str, Tensor]) -> None:
         def layer_index(name: str) -> int:
             found = re.findall(r"\d+", name)
             return int(found[0]) if found else 0
 
         names = sorted(kv_caches, key=layer_index)
-        self._layer_names = names
-        self._layers = [kv_caches[n] for n in names]
-        self._loader = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="vericache-load")
-        self._saves = queue.Queue(SAVE_QUEUE)
-        self._writer = threading.Thread(target=self._write_loop, name="vericache-save", daemon=True)
-        self._writer.start()
-        atexit.register(self.flush)  # queued saves are written before the worker exits
+        ctx = self._vllm_config.compilation_config.static_forward_context
+        self.transfer = PagedTransfer(self.store, self.space, self.opts.chunk_size, self.block_size,
+                                      [kv_caches[n] for n in names], lambda: [getattr(ctx[n], "isa", None) for n in names],
+                                      self.draft_tokens, self.stats)
+        atexit.register(self.transfer.flush)  # queued saves are written before the worker exits
         drafts.register_source(drafts.ChunkSource(self.store, self.space, self.opts.chunk_size))
-
-    def _layouts_now(self) -> list[pl.BlockLayout]:
-        if self._layouts is None:
-            ctx = self._vllm_config.compilation_config.static_forward_context
-            layouts = []
-            for name, kv in zip(self._layer_names, self._layers):
-                isa = getattr(ctx[name], "isa", None)
-                if isa is None:
-                    raise RuntimeError("VeriCacheConnector needs vLLM's CPU attention backend (layer has no 'isa')")
-                layouts.append(pl.layout_for(kv, isa))
-            self._layouts = layouts
-        return self._layouts
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        if not isinstance(meta, VeriCacheConnectorMetadata) or self._loader is None:
-            return
-        for spec in meta.loads:
-            self._loader.submit(self._load, spec)
-
-    def _load(self, spec: LoadSpec) -> None:
-        """Compressed chunks to the drafter at once, then full chunks into the blocks as they come."""
-        t0 = time.perf_counter()
-        c, bs = self.opts.chunk_size, self.block_size
-        first = spec.stop - len(spec.keys) * c
-        written = spec.start  # positions [start, written) are in vLLM's blocks, verified
-        job = None
-        try:
-            layouts = self._layouts_now()
-            chunks = self._fetch(spec.keys)
-            if self.draft_tokens and drafts.can_draft():  # no proposer: no compressed bytes moved
-                with self._ckv_lock:  # one at a time: loads sharing a prefix then find its chunks hot
-                    ckvs = self.store.get_compressed_prefix(self.space.token_keys(spec.prompt[:spec.stop]))
-                if ckvs:
-                    job = drafts.start(spec.prompt, ckvs, self.store.compressor, len(ckvs) * c, self.draft_tokens)
-                    self.stats.compressed_chunks += len(ckvs) if job is not None else 0
-            blocks = torch.tensor(spec.block_ids)
-            for i in range(len(spec.keys)):
-                full = chunks[i].result()
-                lo, hi = first + i * c, first + (i + 1) * c
-                if full is None or tuple(full.shape[:3]) != (2, len(self._layers), c):
-                    break  # a miss or a corrupt chunk: vLLM recomputes from here
-                self._write(full[:, :, max(0, spec.start - lo):], blocks, max(lo, spec.start), hi, layouts)
-                written = hi
-        except Exception as e:  # store down mid-load, bad layout: vLLM recomputes what is missing
-            logger.warning("vericache connector: load of %s failed after %d of %d tokens (%s: %s); vLLM "
-                           "recomputes the rest", spec.req_id, written - spec.start, spec.stop - spec.start,
-                           type(e).__name__, e)
-        failed = sorted({spec.block_ids[p // bs] for p in range(written // bs * bs, spec.stop, bs)})
-        if job is not None:
-            job.load_done()
-        with self._lock:
-            self.stats.loads += 1
-            self.stats.load_s += time.perf_counter() - t0
-            self.stats.loaded_chunks += -(-(written - spec.start) // c)
-            if failed:
-                self.stats.failed_chunks += -(-(spec.stop - written) // c)
-                self.stats.failed_blocks += len(failed)
-                self._errors.update(failed)
-            self._finished.add(spec.req_id)
-
-    def _fetch(self, keys: list[str]) -> list[Future]:
-        """Full chunks of ``keys`` as futures, read once for all loads in flight: requests sharing a
-        prefix that load at the same time (one step's new requests) share each chunk's read, so the
-        prefix crosses the link once, not once per request. Chunks are forgotten once read (a later
-        load reads them again); a read that fails gives ``None`` for it and every later key."""
-        mine: list[tuple[str, Future]] = []
-        with self._lock:
-            futures = []
-            for key in keys:
-                fut = self._inflight.get(key)
-                if fut is None:
-                    fut = self._inflight[key] = Future()
-                    mine.append((key, fut))
-                futures.append(fut)
-        if mine:
-            threading.Thread(target=self._read_chunks, args=(mine,), name="vericache-read", daemon=True).start()
-        return futures
-
-    def _read_chunks(self, todo: list[tuple[str, Future]]) -> None:
-        results: list[Tensor | None] = []
-        try:
-            handle = self.store.prefetch([k for k, _ in todo])
-            for i, (key, fut) in enumerate(todo):
-                full = handle.wait(i)
-                self._resolve(key, fut, full)
-                results.append(full)
-        except Exception as e:  # the store failed mid-read: the rest are misses
-            logger.warning("vericache connector: full-chunk read failed (%s: %s)", type(e).__name__, e)
-        finally:
-            for key, fut in todo[len(results):]:
-                self._resolve(key, fut, None)
-
-    def _resolve(self, key: str, fut: Future, value: Tensor | None) -> None:
-        with self._lock:
-            if self._inflight.get(key) is fut:
-                del self._inflight[key]
-        if not fut.done():
-            fut.set_result(value)
-
-    def _write(self, full: Tensor, blocks: Tensor, lo: int, hi: int, layouts: list[pl.BlockLayout]) -> None:
-        """Write ``full`` (``KV_2LTD`` of positions ``[lo, hi)``) into each layer's paged cache."""
-        slots = pl.slots_for(blocks, lo, hi, self.block_size)
-        _, _, t, width = full.shape
-        for li, (kv, layout) in enumerate(zip(self._layers, layouts)):
-            heads = kv.shape[1]
-            k, v = (full[p, li].view(t, heads, width // heads).transpose(0, 1) for p in (0, 1))
-            pl.scatter(kv, layout, slots, k, v)
+        if isinstance(meta, VeriCacheConnectorMetadata) and self.transfer is not None:
+            for spec in meta.loads:
+                self.transfer.load(spec)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are asynchronous: vLLM runs a request only after get_finished reported it
@@ -449,58 +286,20 @@ class VeriCacheConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
-        if not isinstance(meta, VeriCacheConnectorMetadata) or not meta.saves or self._saves is None:
-            return
-        layouts = self._layouts_now()
-        c = self.opts.chunk_size
-        for spec in meta.saves:
-            blocks = torch.tensor(spec.block_ids)
-            for key, lo in spec.chunks:
-                slots = pl.slots_for(blocks, lo, lo + c, self.block_size)
-                ks, vs = zip(*(pl.gather(kv, layout, slots) for kv, layout in zip(self._layers, layouts)))
-                try:
-                    self._saves.put_nowait((key, kv_to_2ltd(torch.stack(ks), torch.stack(vs)), lo))
-                except queue.Full:
-                    self.stats.save_dropped += 1
-
-    def _write_loop(self) -> None:
-        assert self._saves is not None
-        while True:
-            item = self._saves.get()
-            if item is None:
-                return
-            key, full, lo = item
-            try:
-                self.store.put(key, full, start=lo)
-                self.stats.saved_chunks += 1
-            except Exception as e:  # TierError, a dead server: the chunk is a later miss
-                self.stats.save_errors += 1
-                logger.warning("vericache connector: save failed (%s: %s)", type(e).__name__, e)
-            finally:
-                self._saves.task_done()
+        if isinstance(meta, VeriCacheConnectorMetadata) and meta.saves and self.transfer is not None:
+            self.transfer.save(meta.saves)
 
     def flush(self, timeout: float = 60.0) -> None:
         """Wait until queued saves are written (tests, shutdown)."""
-        if self._saves is None:
-            return
-        deadline = time.monotonic() + timeout
-        while self._saves.unfinished_tasks and time.monotonic() < deadline:
-            time.sleep(0.01)
+        if self.transfer is not None:
+            self.transfer.flush(timeout)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        with self._lock:
-            done, self._finished = self._finished, set()
-        return None, (done or None)
+        return None, (self.transfer.take_finished() or None) if self.transfer is not None else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        with self._lock:
-            errors, self._errors = self._errors, set()
-        return errors
+        return self.transfer.take_errors() if self.transfer is not None else set()
 
     def shutdown(self) -> None:
-        if self._saves is not None and self._writer is not None:
-            self.flush()
-            self._saves.put(None)
-            self._writer.join(10)
-        if self._loader is not None:
-            self._loader.shutdown(wait=True, cancel_futures=True)
+        if self.transfer is not None:
+            self.transfer.close()

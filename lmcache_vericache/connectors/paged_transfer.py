@@ -1,0 +1,262 @@
+"""Worker side of the VeriCache KV connector: chunks between the dual-tier store and vLLM's paged KV.
+
+:class:`PagedTransfer` owns no vLLM object but the paged caches it is handed and knows nothing of
+vLLM's scheduler; the connector (:mod:`.vericache_connector`) turns vLLM's hooks into its calls.
+
+* Loads (:meth:`PagedTransfer.load`): one of ``LOAD_THREADS`` threads per request. The full chunks
+  are read through the store's prefetch, once for every load in flight that needs them (requests
+  sharing a prefix that load together share each read: the prefix crosses the link once), and
+  written into the request's blocks in vLLM's CPU layout (:mod:`.paged_layout`) from the first
+  position vLLM has not computed itself (blocks before it may be shared with other requests, and
+  are never written). With a drafter registered (:mod:`.drafts`) the compressed chunks are fetched
+  first and a draft job starts over them. The first chunk that misses, fails its digest or has the
+  wrong shape ends the load: its blocks and every later one are reported by :meth:`take_errors`,
+  no later than the request by :meth:`take_finished`, so vLLM recomputes them.
+* Saves (:meth:`PagedTransfer.save`): a synchronous token-major copy (``KV_2LTD``) right after the
+  forward, then one writer thread ``put``\\ s it (full + compressed) from a bounded queue; a full
+  queue drops the save (counted: a lost save is a later miss), a failing put is counted and logged.
+* Threading: ``load``/``save``/``take_*`` are called from vLLM's worker thread; counters and the
+  finished/error sets are guarded by one lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from ..backends.keys import KeySpace
+from ..backends.store import DualTierStore
+from ..engine.cache import kv_to_2ltd
+from . import drafts
+from . import paged_layout as pl
+
+logger = logging.getLogger("vllm." + __name__)  # shown by vLLM's log handler
+Tensor = torch.Tensor
+LOAD_THREADS = 8  # concurrent request loads (threads mostly wait on the store)
+SAVE_QUEUE = 64
+
+
+@dataclass
+class LoadSpec:
+    """Load chunks ``keys`` (tokens ``[stop - len(keys)*chunk, stop)``) into ``block_ids``, writing
+    positions from ``start`` on (before it are vLLM's own blocks)."""
+
+    req_id: str
+    keys: list[str]
+    block_ids: list[int]
+    start: int
+    stop: int
+    prompt: list[int]
+
+
+@dataclass
+class SaveSpec:
+    """Save chunks ``(key, first token)`` of one request, read from its ``block_ids``."""
+
+    req_id: str
+    chunks: list[tuple[str, int]]
+    block_ids: list[int]
+
+
+@dataclass
+class ConnectorStats:
+    """Counters of one connector instance (``connector_stats`` reads them inside vLLM)."""
+
+    lookups: int = 0  # prompts looked up (scheduler)
+    lookup_errors: int = 0  # lookups the store failed (counted as 0 hits)
+    hit_tokens: int = 0  # tokens reported to vLLM as loadable (scheduler)
+    loads: int = 0  # requests loaded (worker)
+    loaded_chunks: int = 0
+    failed_chunks: int = 0  # chunks missing / corrupt at load: vLLM recomputes them
+    failed_blocks: int = 0
+    load_s: float = 0.0  # summed wall time of loads
+    compressed_chunks: int = 0  # compressed chunks handed to the drafter
+    saved_chunks: int = 0
+    save_dropped: int = 0  # saves dropped (queue full)
+    save_errors: int = 0
+
+
+class PagedTransfer:
+    """Moves chunks between a :class:`DualTierStore` and vLLM's paged KV (see the module docstring)."""
+
+    def __init__(self, store: DualTierStore, space: KeySpace, chunk_size: int, block_size: int,
+                 layers: list[Tensor], isas: Callable[[], list[str | None]], draft_tokens: int,
+                 stats: ConnectorStats) -> None:
+        self.store, self.space, self.chunk_size, self.block_size = store, space, chunk_size, block_size
+        self.draft_tokens, self.stats = draft_tokens, stats
+        self._layers, self._isas = layers, isas
+        self._layouts: list[pl.BlockLayout] | None = None
+        self._lock = threading.Lock()
+        self._finished: set[str] = set()
+        self._errors: set[int] = set()
+        self._inflight: dict[str, Future] = {}  # full-chunk reads shared by concurrent loads
+        self._ckv_lock = threading.Lock()
+        self._loader = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="vericache-load")
+        self._saves: queue.Queue = queue.Queue(SAVE_QUEUE)
+        self._writer = threading.Thread(target=self._write_loop, name="vericache-save", daemon=True)
+        self._writer.start()
+
+    def _layouts_now(self) -> list[pl.BlockLayout]:
+        """Each layer's block layout, probed on first use (vLLM sets the layers' ISA after
+        registering the caches)."""
+        if self._layouts is None:
+            isas = self._isas()
+            if any(isa is None for isa in isas):
+                raise RuntimeError("VeriCacheConnector needs vLLM's CPU attention backend (layer has no 'isa')")
+            self._layouts = [pl.layout_for(kv, isa) for kv, isa in zip(self._layers, isas)]
+        return self._layouts
+
+    def load(self, spec: LoadSpec) -> None:
+        """Start loading ``spec`` in the background; :meth:`take_finished` reports it when done."""
+        self._loader.submit(self._load, spec)
+
+    def _load(self, spec: LoadSpec) -> None:
+        """Compressed chunks to the drafter at once, then full chunks into the blocks as they come."""
+        t0 = time.perf_counter()
+        c, bs = self.chunk_size, self.block_size
+        first = spec.stop - len(spec.keys) * c
+        written = spec.start  # positions [start, written) are in vLLM's blocks, verified
+        job = None
+        try:
+            layouts = self._layouts_now()
+            chunks = self._fetch(spec.keys)
+            if self.draft_tokens and drafts.can_draft():  # no proposer: no compressed bytes moved
+                with self._ckv_lock:  # one at a time: loads sharing a prefix then find its chunks hot
+                    ckvs = self.store.get_compressed_prefix(self.space.token_keys(spec.prompt[:spec.stop]))
+                if ckvs:
+                    job = drafts.start(spec.prompt, ckvs, self.store.compressor, len(ckvs) * c, self.draft_tokens)
+                    self.stats.compressed_chunks += len(ckvs) if job is not None else 0
+            blocks = torch.tensor(spec.block_ids)
+            for i in range(len(spec.keys)):
+                full = chunks[i].result()
+                lo, hi = first + i * c, first + (i + 1) * c
+                if full is None or tuple(full.shape[:3]) != (2, len(self._layers), c):
+                    break  # a miss or a corrupt chunk: vLLM recomputes from here
+                self._write(full[:, :, max(0, spec.start - lo):], blocks, max(lo, spec.start), hi, layouts)
+                written = hi
+        except Exception as e:  # store down mid-load, bad layout: vLLM recomputes what is missing
+            logger.warning("vericache connector: load of %s failed after %d of %d tokens (%s: %s); vLLM "
+                           "recomputes the rest", spec.req_id, written - spec.start, spec.stop - spec.start,
+                           type(e).__name__, e)
+        failed = sorted({spec.block_ids[p // bs] for p in range(written // bs * bs, spec.stop, bs)})
+        if job is not None:
+            job.load_done()
+        with self._lock:
+            self.stats.loads += 1
+            self.stats.load_s += time.perf_counter() - t0
+            self.stats.loaded_chunks += -(-(written - spec.start) // c)
+            if failed:
+                self.stats.failed_chunks += -(-(spec.stop - written) // c)
+                self.stats.failed_blocks += len(failed)
+                self._errors.update(failed)
+            self._finished.add(spec.req_id)
+
+    def _fetch(self, keys: list[str]) -> list[Future]:
+        """Full chunks of ``keys`` as futures, read once for all loads in flight: requests sharing a
+        prefix that load at the same time (one step's new requests) share each chunk's read, so the
+        prefix crosses the link once, not once per request. Chunks are forgotten once read (a later
+        load reads them again); a read that fails gives ``None`` for it and every later key."""
+        mine: list[tuple[str, Future]] = []
+        with self._lock:
+            futures = []
+            for key in keys:
+                fut = self._inflight.get(key)
+                if fut is None:
+                    fut = self._inflight[key] = Future()
+                    mine.append((key, fut))
+                futures.append(fut)
+        if mine:
+            threading.Thread(target=self._read_chunks, args=(mine,), name="vericache-read", daemon=True).start()
+        return futures
+
+    def _read_chunks(self, todo: list[tuple[str, Future]]) -> None:
+        results: list[Tensor | None] = []
+        try:
+            handle = self.store.prefetch([k for k, _ in todo])
+            for i, (key, fut) in enumerate(todo):
+                full = handle.wait(i)
+                self._resolve(key, fut, full)
+                results.append(full)
+        except Exception as e:  # the store failed mid-read: the rest are misses
+            logger.warning("vericache connector: full-chunk read failed (%s: %s)", type(e).__name__, e)
+        finally:
+            for key, fut in todo[len(results):]:
+                self._resolve(key, fut, None)
+
+    def _resolve(self, key: str, fut: Future, value: Tensor | None) -> None:
+        with self._lock:
+            if self._inflight.get(key) is fut:
+                del self._inflight[key]
+        if not fut.done():
+            fut.set_result(value)
+
+    def _write(self, full: Tensor, blocks: Tensor, lo: int, hi: int, layouts: list[pl.BlockLayout]) -> None:
+        """Write ``full`` (``KV_2LTD`` of positions ``[lo, hi)``) into each layer's paged cache."""
+        slots = pl.slots_for(blocks, lo, hi, self.block_size)
+        _, _, t, width = full.shape
+        for li, (kv, layout) in enumerate(zip(self._layers, layouts)):
+            heads = kv.shape[1]
+            k, v = (full[p, li].view(t, heads, width // heads).transpose(0, 1) for p in (0, 1))
+            pl.scatter(kv, layout, slots, k, v)
+
+    def save(self, specs: list[SaveSpec]) -> None:
+        """Copy each chunk of ``specs`` out of the paged cache token-major now (its blocks may be
+        reused after this step) and queue its ``put``; a full queue drops it (counted)."""
+        layouts = self._layouts_now()
+        c = self.chunk_size
+        for spec in specs:
+            blocks = torch.tensor(spec.block_ids)
+            for key, lo in spec.chunks:
+                slots = pl.slots_for(blocks, lo, lo + c, self.block_size)
+                ks, vs = zip(*(pl.gather(kv, layout, slots) for kv, layout in zip(self._layers, layouts)))
+                try:
+                    self._saves.put_nowait((key, kv_to_2ltd(torch.stack(ks), torch.stack(vs)), lo))
+                except queue.Full:
+                    self.stats.save_dropped += 1
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._saves.get()
+            if item is None:
+                return
+            key, full, lo = item
+            try:
+                self.store.put(key, full, start=lo)
+                self.stats.saved_chunks += 1
+            except Exception as e:  # TierError, a dead server: the chunk is a later miss
+                self.stats.save_errors += 1
+                logger.warning("vericache connector: save failed (%s: %s)", type(e).__name__, e)
+            finally:
+                self._saves.task_done()
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Wait until queued saves are written (tests, shutdown)."""
+        deadline = time.monotonic() + timeout
+        while self._saves.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+    def take_finished(self) -> set[str]:
+        """Requests whose load ended since the last call (successfully or not)."""
+        with self._lock:
+            done, self._finished = self._finished, set()
+        return done
+
+    def take_errors(self) -> set[int]:
+        """Blocks that failed to load since the last call."""
+        with self._lock:
+            errors, self._errors = self._errors, set()
+        return errors
+
+    def close(self) -> None:
+        self.flush()
+        self._saves.put(None)
+        self._writer.join(10)
+        self._loader.shutdown(wait=True, cancel_futures=True)
