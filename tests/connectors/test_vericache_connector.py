@@ -1,6 +1,6 @@
 """VeriCacheConnector's scheduler side and configuration, on vLLM's own config, request and block
 classes and a real store (disk; a real Redis server for the dead-store case). The load and save
-paths inside a running vLLM are tested end to end in tests/e2e/test_vericache_connector.py."""
+paths inside a running vLLM are tested end to end in tests/e2e/test_vericache_connector_vllm.py."""
 
 from __future__ import annotations
 
