@@ -47,6 +47,7 @@ forward pre-hook on the target model): row ``i`` of it is row ``i`` of ``token_i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -185,10 +186,10 @@ class PayGate:
     tokens are credited to the mode of the proposals it verified; the first step after a switch and
     steps that change the batch (a request joins, leaves or prefills) are not counted."""
 
-    def __init__(self, probe: int = 3, hold: int = 32, max_hold: int = 1024,
+    def __init__(self, probe: int = 3, hold: int = 32, max_hold: int = 1024, max_step_tokens: int = 65,
                  clock: Callable[[], float] = time.perf_counter):
         self.probe, self.hold0, self.max_hold, self.hold = probe, hold, max_hold, hold
-        self.clock = clock
+        self.max_step_tokens, self.clock = max_step_tokens, clock
         self.last_pays: bool | None = None
         self.measured = {False: [0, 0.0], True: [0, 0.0]}  # mode -> [tokens, seconds]
         self.decisions: list[bool] = []
@@ -208,8 +209,10 @@ class PayGate:
         and say whether this step proposes."""
         now = self.clock()
         prev, self._prev = self._prev, lengths
+        # Steady: the same rows, each grown by what one decode step can emit (1 + accepted drafts); a
+        # row refilled by a new request jumps by its prompt and is no decode step.
         steady = prev is not None and len(prev) == len(lengths) and all(
-            a >= 0 and b > a for a, b in zip(prev, lengths))
+            a >= 0 and 0 < b - a <= self.max_step_tokens for a, b in zip(prev, lengths))
         counted = steady and self._last is not None and not self.skip_next
         if counted and self.phase.startswith("measure"):
             m = self.measured[self.on]
@@ -222,6 +225,11 @@ class PayGate:
         if self.left <= 0:
             self._next()
         return self.on
+
+    def pause(self) -> None:
+        """A step the gate did not see (the proposer was quiet for another reason): the next
+        interval starts afresh rather than spanning it."""
+        self._last = self._prev = None
 
     def _next(self) -> None:
         if self.phase == "measure_off":
@@ -250,10 +258,10 @@ class CompressedKVProposer:
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.states: list[_State] = []
         self.stats = ProposerStats()
-        self.gate = PayGate() if self.opts.gate else None
+        self.gate = PayGate(max_step_tokens=self.k + 1) if self.opts.gate else None
         mc = vllm_config.model_config
         self._weight_bytes = _weight_bytes(getattr(mc, "model", None), getattr(mc, "dtype", torch.float32))
-        self._ckv_ratio: float | None = None
+        self._ratios: dict[Any, float] = {}  # compressor -> share of entries its draft caches keep
         self.rt = None
         self._attn: list[torch.nn.Module] = []
         self._caches: list[tuple[Tensor, pl.BlockLayout]] | None = None
@@ -264,12 +272,6 @@ class CompressedKVProposer:
     def load_model(self, target_model: torch.nn.Module) -> None:
         self.rt = runtime_for(target_model)
         drafts.register(self.rt)  # the KV connector's load window drafts with these weights
-        # What a draft step reads per token of context: the draft cache is dense (decompressed), so
-        # the share of entries a chunk keeps (quantizers: all of them), not its stored bytes.
-        rt = self.rt
-        probe = torch.randn(2, rt.num_layers, self.opts.chunk_size, rt.num_kv_heads * rt.head_dim).to(rt.dtype)
-        kept = sum(layer.keys.shape[1] for layer in self.compressor.decompress(self.compressor.compress(probe, rt.num_kv_heads)))
-        self._ckv_ratio = kept / (rt.num_layers * self.opts.chunk_size)
         self._attn = [layer.self_attn.attn for layer in target_model.model.layers]
         target_model.register_forward_pre_hook(self._capture)
         # vLLM's forward and the load-window drafter must not run the model at once (drafts.model_lock).
@@ -279,11 +281,26 @@ class CompressedKVProposer:
         compute_logits = target_model.compute_logits
 
         def locked_logits(*args: Any, **kwargs: Any) -> Any:
-            with drafts.model_lock:
-                return compute_logits(*args, **kwargs)
+            drafts.vllm_idle.clear()
+            try:
+                with drafts.model_lock:
+                    return compute_logits(*args, **kwargs)
+            finally:
+                drafts.vllm_idle.set()
 
         target_model.compute_logits = locked_logits
         target_model._vericache_proposer = self  # reachable from LLM.apply_model (stats, tests)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _owning_model() -> Any:
+        """The model for a draft forward of ``propose`` (vLLM's thread): the load drafter waits."""
+        drafts.vllm_idle.clear()
+        try:
+            with drafts.model_lock:
+                yield
+        finally:
+            drafts.vllm_idle.set()
 
     @staticmethod
     def _enter_forward(*_: Any) -> None:
@@ -316,9 +333,11 @@ class CompressedKVProposer:
             self._count_first_acceptance(num_tokens_no_spec, token_ids_cpu)
         pre = self._load_drafts(out, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) if drafts.pending() else set()
         lengths = [int(num_tokens_no_spec[i]) if len(s) else -1 for i, s in enumerate(sampled_token_ids)]
-        if self.gate is not None and (not self._may_pay(lengths) or not self.gate.step(lengths)):
-            self.stats.gated_steps += 1
-            return out  # quiet: states are kept and caught up when proposing again
+        if self.gate is not None and not self._may_pay(lengths):
+            self.gate.pause()
+            return self._quiet(out)
+        if self.gate is not None and not self.gate.step(lengths):
+            return self._quiet(out)
         claimed: list[_State] = []
         work: list[tuple[int, _State, int, int]] = []  # row, state, last position, draft length
         for i, sampled in enumerate(sampled_token_ids):
@@ -342,7 +361,7 @@ class CompressedKVProposer:
         tokens = {i: int(token_ids_cpu[i, pos]) for i, _, pos, _ in work}
         for step in range(max((n for *_, n in work), default=0)):
             live = [(i, st, pos) for i, st, pos, n in work if n > step]
-            with drafts.model_lock:
+            with self._owning_model():
                 logits, _ = self.rt.forward(torch.tensor([tokens[i] for i, _, _ in live]),
                                             torch.tensor([pos + step for _, _, pos in live]),
                                             [Segment(st.cache, 1) for _, st, _ in live])
@@ -355,6 +374,14 @@ class CompressedKVProposer:
         self.stats.proposed += sum(len(o) for o in out)
         return out
 
+    def _quiet(self, out: list[list[int]]) -> list[list[int]]:
+        """A step without proposals: states are kept (caught up when proposing again); none of them
+        proposed, so the next step's growth is not their acceptance."""
+        self.stats.gated_steps += 1
+        for st in self.states:
+            st.drafted = 0
+        return out
+
     def _may_pay(self, lengths: list[int]) -> bool:
         """The bytes bound: a draft step must read at most ``MAX_BYTES_RATIO`` of the bytes of a
         plain step (weights plus every row's KV, against weights plus the KV entries the draft
@@ -363,10 +390,23 @@ class CompressedKVProposer:
         weights dominate (short contexts, small batches) no acceptance can make drafting pay,
         so the proposer does not even probe (building draft states alone would cost more than the
         5% it may)."""
-        if self._weight_bytes is None or self._ckv_ratio is None:
+        if self._weight_bytes is None:
             return True
+        ratio = self._kept_ratio(drafts.chunk_source())
         kv = sum(n for n in lengths if n > 0) * self.rt.kv_bytes_per_token()
-        return self._weight_bytes + self._ckv_ratio * kv <= MAX_BYTES_RATIO * (self._weight_bytes + kv)
+        return self._weight_bytes + ratio * kv <= MAX_BYTES_RATIO * (self._weight_bytes + kv)
+
+    def _kept_ratio(self, source: drafts.ChunkSource | None) -> float:
+        """Share of a chunk's entries a draft cache holds, for the compressor drafts will use (the
+        connector's store's, where there is one). Measured once per compressor on a random chunk:
+        the draft cache is dense (decompressed), so a quantizer keeps all entries."""
+        compressor, c = (source.store.compressor, source.chunk_size) if source else (self.compressor, self.opts.chunk_size)
+        if compressor not in self._ratios:
+            rt = self.rt
+            probe = torch.randn(2, rt.num_layers, c, rt.num_kv_heads * rt.head_dim).to(rt.dtype)
+            layers = compressor.decompress(compressor.compress(probe, rt.num_kv_heads))
+            self._ratios[compressor] = sum(layer.keys.shape[1] for layer in layers) / (rt.num_layers * c)
+        return self._ratios[compressor]
 
     def _load_drafts(self, out: list[list[int]], sampled_token_ids: list, num_tokens_no_spec: np.ndarray,
                      token_ids_cpu: np.ndarray) -> set[int]:
