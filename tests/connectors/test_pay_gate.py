@@ -6,7 +6,7 @@ per row; a step verifying proposals takes ``t_spec`` and emits ``1 + accepted`` 
 
 from __future__ import annotations
 
-from lmcache_vericache.connectors.proposer import PayGate
+from lmcache_vericache.connectors.pay_gate import PayGate
 
 
 def run(t_plain: float, t_spec: float, accepted: int, steps: int, rows: int = 2) -> tuple[PayGate, list[bool]]:
