@@ -189,13 +189,18 @@ def folder_fingerprint(folder: str | os.PathLike, dtype: torch.dtype | str) -> s
     from transformers import AutoConfig
 
     folder = Path(folder)
-    files = sorted(folder.glob("*.safetensors"))
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():  # sharded: the index names the files (other *.safetensors, e.g. Mistral's
+        files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:  # consolidated.safetensors, hold the same weights under other names)
+        files = sorted(f for f in folder.glob("*.safetensors") if not f.name.startswith("consolidated"))
     if not files:
         raise ValueError(f"{folder}: no *.safetensors weights to fingerprint (set the store config's model_id)")
     target = getattr(torch, dtype_str(dtype))
     handles = [safe_open(str(f), framework="pt") for f in files]
     config = AutoConfig.from_pretrained(folder)
-    names = sorted((name, i) for i, f in enumerate(handles) for name in f.keys())
+    # Buffers some exports store (RoPE inv_freq) are not parameters: model_fingerprint skips them.
+    names = sorted((name, i) for i, f in enumerate(handles) for name in f.keys() if not name.endswith(".inv_freq"))
     if getattr(config, "tie_word_embeddings", False) and len({n for n, _ in names} & _TIED) == 2:
         names = [(n, i) for n, i in names if n != "lm_head.weight"]  # a loaded model holds it once
 

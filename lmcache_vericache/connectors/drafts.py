@@ -42,6 +42,7 @@ from ..engine.runtime import Runtime, Segment
 
 logger = logging.getLogger("vllm." + __name__)  # shown by vLLM's log handler
 MAX_PENDING = 256
+MAX_TAIL = 512  # most prompt tokens past the compressed prefix a draft job prefills
 
 
 @dataclass
@@ -58,8 +59,8 @@ class DraftJob:
     """One request's drafting; drafts grow in ``tokens`` until ``n``, the end of its load, or
     :meth:`stop`."""
 
-    def __init__(self, prompt: Sequence[int], n: int, cache: KVCache, prefix: int):
-        self.prompt, self.n = tuple(prompt), n
+    def __init__(self, req_id: str, prompt: Sequence[int], n: int, cache: KVCache, prefix: int):
+        self.req_id, self.prompt, self.n = req_id, tuple(prompt), n
         self.tokens: list[int] = []
         self.cache = cache
         self.next = list(self.prompt[prefix:])  # tokens of the next forward (the tail, then one draft)
@@ -131,19 +132,20 @@ def stats() -> dict[str, Any]:
     return {**asdict(_stats), "pending": len(_jobs), "registered": _rt is not None}
 
 
-def start(prompt: Sequence[int], ckvs: list[CompressedKV], compressor: KVCompressor, prefix: int,
-          n: int) -> DraftJob | None:
+def start(req_id: str, prompt: Sequence[int], ckvs: list[CompressedKV], compressor: KVCompressor,
+          prefix: int, n: int) -> DraftJob | None:
     """Draft ``n`` tokens after ``prompt`` over the compressed chunks ``ckvs`` (its first ``prefix``
     tokens). Builds the draft cache here (the caller's thread), then hands the job to the drafter
     thread, which runs every active job in one batched forward per step. ``None`` if no drafter is
-    registered or nothing is left to prefill."""
+    registered, nothing is left to prefill, or the tail is longer than :data:`MAX_TAIL` (its
+    prefill alone would hold the model for longer than a load is worth)."""
     global _thread
     rt = _rt
-    if rt is None or n <= 0 or not ckvs or prefix >= len(prompt):
+    if rt is None or n <= 0 or not ckvs or not 0 < len(prompt) - prefix <= MAX_TAIL:
         return None
     cache = rt.new_cache(8)
     append_chunks(cache, ckvs, compressor, room=len(prompt) - prefix + n + 1)
-    job = DraftJob(prompt, n, cache, prefix)
+    job = DraftJob(req_id, prompt, n, cache, prefix)
     with _work:
         _jobs[job.prompt] = job
         while len(_jobs) > MAX_PENDING:
@@ -167,6 +169,15 @@ def take(prompt: Sequence[int]) -> list[int] | None:
     with _lock:
         job = _jobs.pop(tuple(prompt), None)
     return None if job is None else job.stop()
+
+
+def forget(req_ids: set[str]) -> None:
+    """Drop the jobs of requests that ended without taking their drafts (aborted)."""
+    if not req_ids or not _jobs:
+        return
+    with _lock:
+        for key in [k for k, j in _jobs.items() if j.req_id in req_ids]:
+            _jobs.pop(key)._stop.set()
 
 
 def count_use(matched: bool) -> None:

@@ -88,9 +88,9 @@ class PagedTransfer:
 
     def __init__(self, store: DualTierStore, space: KeySpace, chunk_size: int, block_size: int,
                  layers: list[Tensor], isas: Callable[[], list[str | None]], draft_tokens: int,
-                 stats: ConnectorStats) -> None:
+                 load_timeout_s: float, stats: ConnectorStats) -> None:
         self.store, self.space, self.chunk_size, self.block_size = store, space, chunk_size, block_size
-        self.draft_tokens, self.stats = draft_tokens, stats
+        self.draft_tokens, self.load_timeout_s, self.stats = draft_tokens, load_timeout_s, stats
         self._layers, self._isas = layers, isas
         self._layouts: list[pl.BlockLayout] | None = None
         self._lock = threading.Lock()
@@ -131,11 +131,12 @@ class PagedTransfer:
                 with self._ckv_lock:  # one at a time: loads sharing a prefix then find its chunks hot
                     ckvs = self.store.get_compressed_prefix(self.space.token_keys(spec.prompt[:spec.stop]))
                 if ckvs:
-                    job = drafts.start(spec.prompt, ckvs, self.store.compressor, len(ckvs) * c, self.draft_tokens)
+                    job = drafts.start(spec.req_id, spec.prompt, ckvs, self.store.compressor, len(ckvs) * c,
+                                       self.draft_tokens)
                     self.stats.compressed_chunks += len(ckvs) if job is not None else 0
             blocks = torch.tensor(spec.block_ids)
             for i in range(len(spec.keys)):
-                full = chunks[i].result()
+                full = chunks[i].result(self.load_timeout_s)  # TimeoutError: a hung store fails the load
                 lo, hi = first + i * c, first + (i + 1) * c
                 if full is None or tuple(full.shape[:3]) != (2, len(self._layers), c):
                     break  # a miss or a corrupt chunk: vLLM recomputes from here

@@ -47,11 +47,12 @@ forward pre-hook on the target model): row ``i`` of it is row ``i`` of ``token_i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +66,7 @@ from ..engine.runtime import Segment
 from ..options import parse_options
 from . import drafts
 from . import paged_layout as pl
+from .pay_gate import MAX_BYTES_RATIO, PayGate, weight_bytes
 from .vllm_model import runtime_for
 
 logger = logging.getLogger(__name__)
@@ -153,91 +155,6 @@ class ProposerStats:
     gated_steps: int = 0  # steps the gate kept quiet
 
 
-#: A draft step must read at most this share of a plain step's bytes for the proposer to probe at all.
-MAX_BYTES_RATIO = 0.75
-
-
-def _weight_bytes(folder: str | None, dtype: torch.dtype) -> int | None:
-    """Bytes of the served weights in ``dtype``, from the safetensors headers (no tensor is read);
-    ``None`` where the model is not a local safetensors folder."""
-    from pathlib import Path
-
-    files = sorted(Path(folder).glob("*.safetensors")) if folder and Path(folder).is_dir() else []
-    if not files:
-        return None
-    from safetensors import safe_open
-
-    size = torch.empty((), dtype=dtype).element_size()
-    total = 0
-    for f in files:
-        with safe_open(str(f), framework="pt") as h:
-            total += sum(int(np.prod(h.get_slice(n).get_shape())) for n in h.keys())
-    return total * size
-
-
-class PayGate:
-    """Proposes only while it pays, from tokens per second measured in the run.
-
-    A cycle: ``probe`` steps without proposals (the plain rate), ``probe`` steps with them, then
-    ``hold`` steps in the faster mode; ``hold`` doubles while the decision repeats (up to
-    ``max_hold``), so a drafter that never pays costs a vanishing share of steps. A step's time
-    (between consecutive ``propose`` calls: vLLM's forward plus this proposer) and its emitted
-    tokens are credited to the mode of the proposals it verified; the first step after a switch and
-    steps that change the batch (a request joins, leaves or prefills) are not counted."""
-
-    def __init__(self, probe: int = 3, hold: int = 32, max_hold: int = 1024,
-                 clock: Callable[[], float] = time.perf_counter):
-        self.probe, self.hold0, self.max_hold, self.hold = probe, hold, max_hold, hold
-        self.clock = clock
-        self.last_pays: bool | None = None
-        self.measured = {False: [0, 0.0], True: [0, 0.0]}  # mode -> [tokens, seconds]
-        self.decisions: list[bool] = []
-        self._last: float | None = None
-        self._prev: list[int] | None = None
-        self.on = False
-        self._enter("measure_off")
-
-    def _enter(self, phase: str) -> None:
-        on = phase in ("measure_on", "hold_on")
-        self.skip_next = on != self.on  # that step verifies the other mode's proposals
-        self.phase, self.on = phase, on
-        self.left = self.probe if phase.startswith("measure") else self.hold
-
-    def step(self, lengths: list[int]) -> bool:
-        """Account the step that just ran (rows' token counts ``lengths``, -1 for a row in prefill)
-        and say whether this step proposes."""
-        now = self.clock()
-        prev, self._prev = self._prev, lengths
-        steady = prev is not None and len(prev) == len(lengths) and all(
-            a >= 0 and b > a for a, b in zip(prev, lengths))
-        counted = steady and self._last is not None and not self.skip_next
-        if counted and self.phase.startswith("measure"):
-            m = self.measured[self.on]
-            m[0] += sum(b - a for a, b in zip(prev, lengths))
-            m[1] += now - self._last
-        if counted or not self.phase.startswith("measure"):
-            self.left -= 1
-        self.skip_next = self.skip_next and not steady
-        self._last = now
-        if self.left <= 0:
-            self._next()
-        return self.on
-
-    def _next(self) -> None:
-        if self.phase == "measure_off":
-            self._enter("measure_on")
-        elif self.phase == "measure_on":
-            (t_off, s_off), (t_on, s_on) = self.measured[False], self.measured[True]
-            pays = t_on * s_off > t_off * s_on  # t_on / s_on > t_off / s_off
-            self.hold = min(2 * self.hold, self.max_hold) if pays == self.last_pays else self.hold0
-            self.last_pays = pays
-            self.decisions.append(pays)
-            self.measured = {False: [0, 0.0], True: [0, 0.0]}
-            self._enter("hold_on" if pays else "hold_off")
-        else:
-            self._enter("measure_off")
-
-
 class CompressedKVProposer:
     """vLLM ``custom_class`` proposer drafting over compressed KV with the target model's weights."""
 
@@ -250,10 +167,10 @@ class CompressedKVProposer:
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.states: list[_State] = []
         self.stats = ProposerStats()
-        self.gate = PayGate() if self.opts.gate else None
+        self.gate = PayGate(max_step_tokens=self.k + 1) if self.opts.gate else None
         mc = vllm_config.model_config
-        self._weight_bytes = _weight_bytes(getattr(mc, "model", None), getattr(mc, "dtype", torch.float32))
-        self._ckv_ratio: float | None = None
+        self._weight_bytes = weight_bytes(getattr(mc, "model", None), getattr(mc, "dtype", torch.float32))
+        self._ratios: dict[Any, float] = {}  # compressor -> share of entries its draft caches keep
         self.rt = None
         self._attn: list[torch.nn.Module] = []
         self._caches: list[tuple[Tensor, pl.BlockLayout]] | None = None
@@ -264,12 +181,6 @@ class CompressedKVProposer:
     def load_model(self, target_model: torch.nn.Module) -> None:
         self.rt = runtime_for(target_model)
         drafts.register(self.rt)  # the KV connector's load window drafts with these weights
-        # What a draft step reads per token of context: the draft cache is dense (decompressed), so
-        # the share of entries a chunk keeps (quantizers: all of them), not its stored bytes.
-        rt = self.rt
-        probe = torch.randn(2, rt.num_layers, self.opts.chunk_size, rt.num_kv_heads * rt.head_dim).to(rt.dtype)
-        kept = sum(layer.keys.shape[1] for layer in self.compressor.decompress(self.compressor.compress(probe, rt.num_kv_heads)))
-        self._ckv_ratio = kept / (rt.num_layers * self.opts.chunk_size)
         self._attn = [layer.self_attn.attn for layer in target_model.model.layers]
         target_model.register_forward_pre_hook(self._capture)
         # vLLM's forward and the load-window drafter must not run the model at once (drafts.model_lock).
@@ -279,11 +190,26 @@ class CompressedKVProposer:
         compute_logits = target_model.compute_logits
 
         def locked_logits(*args: Any, **kwargs: Any) -> Any:
-            with drafts.model_lock:
-                return compute_logits(*args, **kwargs)
+            drafts.vllm_idle.clear()
+            try:
+                with drafts.model_lock:
+                    return compute_logits(*args, **kwargs)
+            finally:
+                drafts.vllm_idle.set()
 
         target_model.compute_logits = locked_logits
         target_model._vericache_proposer = self  # reachable from LLM.apply_model (stats, tests)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _owning_model() -> Any:
+        """The model for a draft forward of ``propose`` (vLLM's thread): the load drafter waits."""
+        drafts.vllm_idle.clear()
+        try:
+            with drafts.model_lock:
+                yield
+        finally:
+            drafts.vllm_idle.set()
 
     @staticmethod
     def _enter_forward(*_: Any) -> None:
@@ -316,9 +242,11 @@ class CompressedKVProposer:
             self._count_first_acceptance(num_tokens_no_spec, token_ids_cpu)
         pre = self._load_drafts(out, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) if drafts.pending() else set()
         lengths = [int(num_tokens_no_spec[i]) if len(s) else -1 for i, s in enumerate(sampled_token_ids)]
-        if self.gate is not None and (not self._may_pay(lengths) or not self.gate.step(lengths)):
-            self.stats.gated_steps += 1
-            return out  # quiet: states are kept and caught up when proposing again
+        if self.gate is not None and not self._may_pay(lengths):
+            self.gate.pause()
+            return self._quiet(out)
+        if self.gate is not None and not self.gate.step(lengths):
+            return self._quiet(out)
         claimed: list[_State] = []
         work: list[tuple[int, _State, int, int]] = []  # row, state, last position, draft length
         for i, sampled in enumerate(sampled_token_ids):
@@ -342,7 +270,7 @@ class CompressedKVProposer:
         tokens = {i: int(token_ids_cpu[i, pos]) for i, _, pos, _ in work}
         for step in range(max((n for *_, n in work), default=0)):
             live = [(i, st, pos) for i, st, pos, n in work if n > step]
-            with drafts.model_lock:
+            with self._owning_model():
                 logits, _ = self.rt.forward(torch.tensor([tokens[i] for i, _, _ in live]),
                                             torch.tensor([pos + step for _, _, pos in live]),
                                             [Segment(st.cache, 1) for _, st, _ in live])
@@ -355,6 +283,14 @@ class CompressedKVProposer:
         self.stats.proposed += sum(len(o) for o in out)
         return out
 
+    def _quiet(self, out: list[list[int]]) -> list[list[int]]:
+        """A step without proposals: states are kept (caught up when proposing again); none of them
+        proposed, so the next step's growth is not their acceptance."""
+        self.stats.gated_steps += 1
+        for st in self.states:
+            st.drafted = 0
+        return out
+
     def _may_pay(self, lengths: list[int]) -> bool:
         """The bytes bound: a draft step must read at most ``MAX_BYTES_RATIO`` of the bytes of a
         plain step (weights plus every row's KV, against weights plus the KV entries the draft
@@ -363,10 +299,23 @@ class CompressedKVProposer:
         weights dominate (short contexts, small batches) no acceptance can make drafting pay,
         so the proposer does not even probe (building draft states alone would cost more than the
         5% it may)."""
-        if self._weight_bytes is None or self._ckv_ratio is None:
+        if self._weight_bytes is None:
             return True
+        ratio = self._kept_ratio(drafts.chunk_source())
         kv = sum(n for n in lengths if n > 0) * self.rt.kv_bytes_per_token()
-        return self._weight_bytes + self._ckv_ratio * kv <= MAX_BYTES_RATIO * (self._weight_bytes + kv)
+        return self._weight_bytes + ratio * kv <= MAX_BYTES_RATIO * (self._weight_bytes + kv)
+
+    def _kept_ratio(self, source: drafts.ChunkSource | None) -> float:
+        """Share of a chunk's entries a draft cache holds, for the compressor drafts will use (the
+        connector's store's, where there is one). Measured once per compressor on a random chunk:
+        the draft cache is dense (decompressed), so a quantizer keeps all entries."""
+        compressor, c = (source.store.compressor, source.chunk_size) if source else (self.compressor, self.opts.chunk_size)
+        if compressor not in self._ratios:
+            rt = self.rt
+            probe = torch.randn(2, rt.num_layers, c, rt.num_kv_heads * rt.head_dim).to(rt.dtype)
+            layers = compressor.decompress(compressor.compress(probe, rt.num_kv_heads))
+            self._ratios[compressor] = sum(layer.keys.shape[1] for layer in layers) / (rt.num_layers * c)
+        return self._ratios[compressor]
 
     def _load_drafts(self, out: list[list[int]], sampled_token_ids: list, num_tokens_no_spec: np.ndarray,
                      token_ids_cpu: np.ndarray) -> set[int]:

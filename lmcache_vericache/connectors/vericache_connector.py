@@ -68,15 +68,15 @@ class ConnectorOptions:
     chunk_size: int = 256  # tokens per stored chunk; a multiple of vLLM's block size
     save: bool = True  # store complete prompt chunks vLLM computes
     load: bool = True  # serve stored prefixes to vLLM
-    # Drafts made over the compressed prefix while the full one loads (0: off). None: 32 where the
-    # load moves by DMA (CUDA), 0 on a CPU host, where the load itself needs the cores (receiving,
-    # verifying and writing the chunks) and drafting beside it made loads slower than they saved
-    # (benchmarks/remote_prefix.py, README "Serving with vLLM").
-    draft_tokens: int | None = None
+    # Drafts made over the compressed prefix while the full one loads (needs the proposer). Off by
+    # default: on a CPU host the load itself needs the cores (receiving, verifying and writing the
+    # chunks) and drafting beside it cost more than it saved (benchmarks/remote_prefix.py, README).
+    draft_tokens: int = 0
+    load_timeout_s: float = 120.0  # a full chunk not read within this is a failed load (a hung store)
 
     def validate(self) -> None:
-        for name, low in (("chunk_size", 1), ("draft_tokens", 0)):
-            if getattr(self, name) is not None and getattr(self, name) < low:
+        for name, low in (("chunk_size", 1), ("draft_tokens", 0), ("load_timeout_s", 1e-3)):
+            if getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
 
 
@@ -137,9 +137,14 @@ class VeriCacheConnector(KVConnectorBase_V1):
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.opts, config = parse_extra_config(extra)
         mc = vllm_config.model_config
-        self.draft_tokens = self.opts.draft_tokens
-        if self.draft_tokens is None:
-            self.draft_tokens = 0 if str(getattr(vllm_config.device_config, "device_type", "cpu")) == "cpu" else 32
+        device = str(getattr(vllm_config.device_config, "device_type", "cpu"))
+        if device != "cpu":
+            raise ValueError(f"VeriCacheConnector runs on vLLM's CPU backend only (paged layout probed from its "
+                             f"CPU cache-write op); this vLLM runs on {device!r}")
+        pc = vllm_config.parallel_config
+        if pc.tensor_parallel_size > 1 or pc.pipeline_parallel_size > 1:
+            # Each rank would store its own heads / layers under one key (and load another rank's).
+            raise ValueError("VeriCacheConnector supports tensor_parallel_size = pipeline_parallel_size = 1 only")
         self.block_size = int(vllm_config.cache_config.block_size)
         if self.opts.chunk_size % self.block_size:
             raise ValueError(f"{WHERE}: chunk_size {self.opts.chunk_size} must be a multiple of vLLM's "
@@ -158,6 +163,10 @@ class VeriCacheConnector(KVConnectorBase_V1):
         self._blocks: dict[str, list[int]] = {}
         self._prompts: dict[str, list[int]] = {}
         self._saved_to: dict[str, int] = {}  # prompt tokens before this are saved or known stored
+        # Requests whose load was handed to the worker: a second lookup (after a failed load, vLLM
+        # asks again) reports no hit, so a chunk the store lists but cannot serve is recomputed
+        # instead of being retried forever.
+        self._loaded_once: set[str] = set()
         self.transfer: PagedTransfer | None = None  # worker side, from register_kv_caches
 
     def _key_space(self, mc: Any) -> KeySpace:
@@ -172,7 +181,7 @@ class VeriCacheConnector(KVConnectorBase_V1):
 
     # == scheduler side =============================================================================
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        if not self.opts.load:
+        if not self.opts.load or request.request_id in self._loaded_once:
             return 0, False
         prompt = list(request.prompt_token_ids or [])
         # The last prompt token is always computed by vLLM (it samples the first output from it).
@@ -207,7 +216,10 @@ class VeriCacheConnector(KVConnectorBase_V1):
         keys = self.space.token_keys(prompt[:stop])[start // c:]
         self._pending[rid] = LoadSpec(rid, keys, list(blocks.get_block_ids()[0]), start, stop, prompt)
         self.stats.hit_tokens += num_external_tokens
-        self._saved_to[rid] = stop  # what we load is stored already
+        self._loaded_once.add(rid)
+        # Saves start at vLLM's own prefix: chunks that load are skipped (the store has them), chunks
+        # that fail to load are recomputed by vLLM and stored again.
+        self._saved_to[rid] = start
 
     def build_connector_meta(self, scheduler_output: Any) -> VeriCacheConnectorMetadata:
         meta = VeriCacheConnectorMetadata(loads=list(self._pending.values()))
@@ -253,6 +265,7 @@ class VeriCacheConnector(KVConnectorBase_V1):
     def _forget(self, rid: str) -> None:
         for d in (self._hits, self._pending, self._blocks, self._prompts, self._saved_to):
             d.pop(rid, None)
+        self._loaded_once.discard(rid)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._forget(request.request_id)
@@ -268,7 +281,7 @@ class VeriCacheConnector(KVConnectorBase_V1):
         ctx = self._vllm_config.compilation_config.static_forward_context
         self.transfer = PagedTransfer(self.store, self.space, self.opts.chunk_size, self.block_size,
                                       [kv_caches[n] for n in names], lambda: [getattr(ctx[n], "isa", None) for n in names],
-                                      self.draft_tokens, self.stats)
+                                      self.opts.draft_tokens, self.opts.load_timeout_s, self.stats)
         atexit.register(self.transfer.flush)  # queued saves are written before the worker exits
         drafts.register_source(drafts.ChunkSource(self.store, self.space, self.opts.chunk_size))
 
@@ -295,6 +308,7 @@ class VeriCacheConnector(KVConnectorBase_V1):
             self.transfer.flush(timeout)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        drafts.forget(finished_req_ids)  # drafts of requests that ended (aborted) are never taken
         return None, (self.transfer.take_finished() or None) if self.transfer is not None else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:

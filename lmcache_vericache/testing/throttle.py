@@ -90,8 +90,8 @@ class ThrottledLink:
                 if not data:
                     break
                 self._buckets[direction].take(len(data))
+                self.bytes[direction] += len(data)  # before sending: a reader that has them sees them counted
                 dst.sendall(data)
-                self.bytes[direction] += len(data)
         except OSError:
             pass
         finally:

@@ -6,7 +6,7 @@ per row; a step verifying proposals takes ``t_spec`` and emits ``1 + accepted`` 
 
 from __future__ import annotations
 
-from lmcache_vericache.connectors.proposer import PayGate
+from lmcache_vericache.connectors.pay_gate import PayGate
 
 
 def run(t_plain: float, t_spec: float, accepted: int, steps: int, rows: int = 2) -> tuple[PayGate, list[bool]]:
@@ -47,3 +47,19 @@ def test_batch_changes_are_not_counted():
     now[0] += 0.1
     gate.step([13, 23, 6])
     assert gate.measured[False][0] == 3 and abs(gate.measured[False][1] - 0.1) < 1e-9
+
+
+def test_a_refilled_row_is_no_decode_step():
+    now = [0.0]
+    gate = PayGate(probe=2, hold=4, max_step_tokens=9, clock=lambda: now[0])
+    gate.step([100, 200])
+    now[0] += 0.1
+    gate.step([101, 201])
+    assert gate.measured[False][0] == 2
+    now[0] += 3.0  # row 1's request finished; a new one took the row and prefilled 900 tokens
+    gate.step([102, 900])
+    assert gate.measured[False][0] == 2  # not counted
+    gate.pause()  # a step the gate did not see
+    now[0] += 5.0
+    gate.step([103, 901])
+    assert gate.measured[False][0] == 2 and abs(gate.measured[False][1] - 0.1) < 1e-9  # nothing spans the pause

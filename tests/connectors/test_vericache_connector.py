@@ -77,6 +77,9 @@ def test_lookup_counts_leading_stored_chunks_and_plans_the_load(tmp_path):
     load = meta.loads[0]
     assert (load.start, load.stop, load.keys) == (128, 768, keys) and load.block_ids[:6] == list(range(10, 16))
     assert c.build_connector_meta(_empty_scheduler_output()).loads == []  # handed over once
+    # vLLM asks again after a failed load: no second hit (the store listed a chunk it could not
+    # serve), so the request is recomputed instead of retried forever.
+    assert c.get_num_new_matched_tokens(req, 128) == (0, False)
 
     # A gap stops the prefix; the last prompt token is never counted (vLLM computes it).
     other = request("r2", prompt[:768])
@@ -93,6 +96,20 @@ def test_dead_store_is_zero_hits_never_an_error(redis_server_factory):
     server.kill()
     # The tier logs the refused connection and answers "not stored"; nothing reaches vLLM.
     assert c.get_num_new_matched_tokens(request("b", prompt), 0) == (0, False)
+
+
+def test_folder_fingerprint_ignores_consolidated_copies_and_stored_buffers(tmp_path):
+    from safetensors.torch import save_file
+
+    from lmcache_vericache.backends.keys import folder_fingerprint
+    from lmcache_vericache.models import ensure_smollm2
+
+    src = ensure_smollm2()
+    for f in ("config.json", "model.safetensors"):
+        (tmp_path / f).symlink_to(src / f)
+    save_file({"tok_embeddings.weight": torch.zeros(4, 4)}, tmp_path / "consolidated.safetensors")
+    save_file({"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(32)}, tmp_path / "extra.safetensors")
+    assert folder_fingerprint(tmp_path, "float32") == folder_fingerprint(src, "float32")
 
 
 def test_bad_configuration_fails_naming_the_key(tmp_path):
