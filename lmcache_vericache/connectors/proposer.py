@@ -170,7 +170,7 @@ class CompressedKVProposer:
         self.gate = PayGate(max_step_tokens=self.k + 1) if self.opts.gate else None
         mc = vllm_config.model_config
         self._weight_bytes = weight_bytes(getattr(mc, "model", None), getattr(mc, "dtype", torch.float32))
-        self._ratios: dict[Any, float] = {}  # compressor -> share of entries its draft caches keep
+        self._ratios: dict[int, float] = {}  # id(compressor) -> share of entries its draft caches keep
         self.rt = None
         self._attn: list[torch.nn.Module] = []
         self._caches: list[tuple[Tensor, pl.BlockLayout]] | None = None
@@ -310,12 +310,13 @@ class CompressedKVProposer:
         connector's store's, where there is one). Measured once per compressor on a random chunk:
         the draft cache is dense (decompressed), so a quantizer keeps all entries."""
         compressor, c = (source.store.compressor, source.chunk_size) if source else (self.compressor, self.opts.chunk_size)
-        if compressor not in self._ratios:
+        key = id(compressor)  # compressors are unhashable dataclasses; this one lives as long as we do
+        if key not in self._ratios:
             rt = self.rt
             probe = torch.randn(2, rt.num_layers, c, rt.num_kv_heads * rt.head_dim).to(rt.dtype)
             layers = compressor.decompress(compressor.compress(probe, rt.num_kv_heads))
-            self._ratios[compressor] = sum(layer.keys.shape[1] for layer in layers) / (rt.num_layers * c)
-        return self._ratios[compressor]
+            self._ratios[key] = sum(layer.keys.shape[1] for layer in layers) / (rt.num_layers * c)
+        return self._ratios[key]
 
     def _load_drafts(self, out: list[list[int]], sampled_token_ids: list, num_tokens_no_spec: np.ndarray,
                      token_ids_cpu: np.ndarray) -> set[int]:
