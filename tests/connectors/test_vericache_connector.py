@@ -119,6 +119,9 @@ def test_bad_configuration_fails_naming_the_key(tmp_path):
         parse_extra_config({"draft_tokens": "many"})
     with pytest.raises(ValueError, match="kv_connector_extra_config: capacity must be one of"):
         parse_extra_config({"capacity": "tape"})
+    # Built from vLLM's own config as its connector factory does at engine start-up: vLLM stops there.
+    with pytest.raises(ValueError, match="kv_connector_extra_config: unknown key 'bogus_key'"):
+        scheduler({"capacity": "disk", "disk_path": str(tmp_path / "kv"), "bogus_key": 1})
     with pytest.raises(ValueError, match="chunk_size 200 must be a multiple of vLLM's block size 128"):
         scheduler({"capacity": "disk", "disk_path": str(tmp_path / "kv"), "chunk_size": 200})
 

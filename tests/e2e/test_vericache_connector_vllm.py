@@ -9,7 +9,8 @@ SmolLM2-135M (fp32, greedy), over a real Redis server, in their own processes.
   vLLM's rejection sampler, a chunk corrupted in Redis recomputed; every output equals plain vLLM.
 * The engine finds what vLLM stored (same keys), with output equal to its own full-KV decoding.
 * Process C (connector): Redis is killed while C loads: the missing blocks are recomputed, output
-  unchanged. A bad ``kv_connector_extra_config`` key stops vLLM at start-up, naming the key.
+  unchanged. (A bad ``kv_connector_extra_config`` key: tests/connectors/test_vericache_connector.py
+  builds the connector from vLLM's own config exactly as vLLM's factory does.)
 
 About four minutes on 2 CPU cores.
 """
@@ -100,7 +101,7 @@ def test_shared_prefix_drafts_during_the_load_and_matches_plain_vllm(setup):
     assert a["tokens"][0] == plain["shared"]["tokens"][0]  # saving changes nothing
 
     with ThrottledLink(setup["server"].port, rate=60e6) as link:
-        store = {**setup["store"], "redis_url": link.url(), "draft_tokens": 32}  # (off by default on CPU)
+        store = {**setup["store"], "redis_url": link.url(), "draft_tokens": 32}  # (off by default)
         b = run_engine({"llm": llm(setup["model"], store, proposer=True),
                         "jobs": [greedy("shared", setup["shared"]), greedy("engine", [setup["engine"]["prompt_tokens"]])],
                         "connector_stats": True, "stats": True}, setup["tmp"] / "b")
@@ -168,9 +169,3 @@ def test_corrupt_chunk_and_redis_killed_mid_load_are_recomputed(setup):
     assert w1["failed_chunks"] == 2  # the corrupt chunk and the one after it: recomputed by vLLM
     assert killed["tokens"] == plain["killed"]["tokens"]
     assert w2["loads"] == 2 and w2["failed_chunks"] > w1["failed_chunks"]  # its load began, then Redis died
-
-
-def test_bad_extra_config_key_fails_at_start_naming_it(tmp_path, setup):
-    with pytest.raises(RuntimeError, match="bogus_key"):
-        run_engine({"llm": llm(setup["model"], {**setup["store"], "bogus_key": 1}), "jobs": []}, tmp_path / "bad",
-                   timeout=300)
