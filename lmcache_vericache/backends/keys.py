@@ -177,6 +177,21 @@ def weights_fingerprint(config: Any, named_tensors: Iterable[tuple[str, torch.Te
 _TIED = {"lm_head.weight", "model.embed_tokens.weight"}
 
 
+def weight_files(folder: str | os.PathLike) -> list:
+    """The safetensors files holding a Hugging Face folder's weights, once each: the sharded
+    index's files where there is one, else every ``*.safetensors`` but a ``consolidated`` copy
+    (Mistral ships one holding the same weights under other names). Empty if none."""
+    from pathlib import Path
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+    return sorted(f for f in folder.glob("*.safetensors") if not f.name.startswith("consolidated"))
+
+
 def folder_fingerprint(folder: str | os.PathLike, dtype: torch.dtype | str) -> str:
     """:func:`model_fingerprint` of the model a Hugging Face folder loads as in ``dtype``, computed
     from its ``*.safetensors`` files without building the model (tensors cast to ``dtype``; tied
@@ -189,11 +204,7 @@ def folder_fingerprint(folder: str | os.PathLike, dtype: torch.dtype | str) -> s
     from transformers import AutoConfig
 
     folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():  # sharded: the index names the files (other *.safetensors, e.g. Mistral's
-        files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
-    else:  # consolidated.safetensors, hold the same weights under other names)
-        files = sorted(f for f in folder.glob("*.safetensors") if not f.name.startswith("consolidated"))
+    files = weight_files(folder)
     if not files:
         raise ValueError(f"{folder}: no *.safetensors weights to fingerprint (set the store config's model_id)")
     target = getattr(torch, dtype_str(dtype))

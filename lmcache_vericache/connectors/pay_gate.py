@@ -15,6 +15,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from ..backends.keys import weight_files
+
 #: A draft step must read at most this share of a plain step's bytes for the proposer to probe at all.
 MAX_BYTES_RATIO = 0.75
 
@@ -22,9 +24,7 @@ MAX_BYTES_RATIO = 0.75
 def weight_bytes(folder: str | None, dtype: torch.dtype) -> int | None:
     """Bytes of the served weights in ``dtype``, from the safetensors headers (no tensor is read);
     ``None`` where the model is not a local safetensors folder."""
-    from pathlib import Path
-
-    files = sorted(Path(folder).glob("*.safetensors")) if folder and Path(folder).is_dir() else []
+    files = weight_files(folder) if folder else []
     if not files:
         return None
     from safetensors import safe_open
