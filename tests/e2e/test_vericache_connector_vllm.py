@@ -125,8 +125,9 @@ def test_engine_finds_what_vllm_stored(setup):
     tok = AutoTokenizer.from_pretrained(setup["model"])
     prompt.write_text(tok.decode(setup["shared"][0]))
     out = _generate(prompt, setup["store"], 0, "--reference")
-    if out["prompt_tokens"][:PREFIX] != setup["shared"][0][:PREFIX]:
-        pytest.skip("decode/encode round trip changed the tokens")
+    # The CLI re-tokenizes the decoded text: the shared prefix must come back token for token (it
+    # does for this real code; a skip here would let the test pass without checking anything).
+    assert out["prompt_tokens"][:PREFIX] == setup["shared"][0][:PREFIX]
     assert out["cached_chunks"] >= PREFIX // CHUNK  # vLLM's chunks, read by the engine
     assert out["recomputed_chunks"] == 0 and out["identical"] is True
 
