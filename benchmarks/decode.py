@@ -17,16 +17,29 @@ vs target argmax agreement along the file's real continuation, turned into the t
 agreement implies at horizon L (a round emits the agreeing run, capped at L, plus one). Pessimistic:
 the draft cache computes the continuation's KV itself instead of receiving exact KV each round.
 
+Prompt prefixes (``--prefix stored``, default) are served from a store, as the dual tier serves a
+shared prefix: each file's exact KV is computed once per model and dtype (chunk by chunk, as a
+prefill does), kept under ``--kv-cache-dir`` and put into a fresh memory store per cell; a prompt is
+``context`` cached positions plus its last token. The baseline reads the full chunks
+(``reference(stored_prefix=True)``), VeriCache drafts over the compressed ones while its swap brings
+the full prefix in. ``--prefix computed`` prefills every prompt in every run instead.
+
     .venv/bin/python benchmarks/decode.py                      # modest default for a 2-core CPU
     .venv/bin/python benchmarks/decode.py --full               # 2k/4k/8k x batch 1/8 x fp32/bf16, all methods
+    .venv/bin/python benchmarks/decode.py --grid               # ratio plot: 1k-8k x batch 1-16, int8, bf16 + fp32
 
-Prints a table, writes benchmarks/results/decode.json and decode.png (if matplotlib is installed).
+``--compressors`` takes names (first example of each) or ``name{json params}``, comma-separated,
+e.g. ``int8,turboquant{"k_bits": 4, "v_bits": 3}``.
+
+Prints a table, writes benchmarks/results/<name>.json and <name>.png (if matplotlib is installed):
+the speed-up against context length, one line per batch size, a panel per dtype/method/temperature.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -36,12 +49,15 @@ import torch
 from machine import machine_info, pyplot
 
 from lmcache_vericache import compressors
+from lmcache_vericache.backends import DualTierStore, StoreConfig
+from lmcache_vericache.backends.keys import model_fingerprint
 from lmcache_vericache.data import stdlib_source
 from lmcache_vericache.engine import Sampling, Segment, VeriCacheEngine
 from lmcache_vericache.models import load_model
 
 FILES = ["argparse.py", "typing.py", "inspect.py", "pathlib.py", "subprocess.py", "tarfile.py",
-         "logging/__init__.py", "email/_header_value_parser.py"]
+         "logging/__init__.py", "email/_header_value_parser.py", "_pydecimal.py", "turtle.py", "pydoc.py",
+         "locale.py", "datetime.py", "urllib/request.py", "zipfile.py", "difflib.py"]  # 16: batch <= 16
 OUT = Path(__file__).parent / "results"
 
 
@@ -135,17 +151,73 @@ def step_costs(model, eng: VeriCacheEngine, reqs: list, verify_lens: tuple[int, 
                 weight_bytes=weights, full_kv_bytes=full_kv, draft_kv_bytes=draft_kv)
 
 
+def parse_methods(spec: str) -> list[tuple[str, dict]]:
+    """``name`` (its first example) or ``name{json params}``, comma-separated (commas inside braces
+    belong to the params). Unknown names and bad params fail here, before any model loads."""
+    out, depth, cur = [], 0, ""
+    for ch in spec + ",":
+        depth += (ch == "{") - (ch == "}")
+        if ch == "," and depth == 0:
+            name, _, params = cur.strip().partition("{")
+            p = json.loads("{" + params) if params else compressors.examples(name)[0]
+            compressors.get(name, **p)
+            out.append((name, p))
+            cur = ""
+        else:
+            cur += ch
+    return out
+
+
+def prefix_kvs(model, tok, dtype: str, n_tokens: int, batch: int, cache_dir: Path) -> list[torch.Tensor]:
+    """Exact KV (``[2, layers, n_tokens, heads*dim]``) of the first ``n_tokens`` of the first ``batch``
+    files, computed once per model weights and dtype and kept in ``cache_dir`` (memory-mapped when
+    read back). Causal: the KV of a shorter prefix is the leading slice of it."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tag = f"{model_fingerprint(model)[:16]}-{dtype}-{n_tokens}"
+    paths = [cache_dir / f"{tag}-{f.replace('/', '_')}.pt" for f in FILES[:batch]]
+    todo = [i for i, path in enumerate(paths) if not path.exists()]
+    if todo:
+        eng, ps, t0 = VeriCacheEngine(model, "int8", store="resident"), prompts(tok, n_tokens, batch), time.perf_counter()
+        for j, i in enumerate(todo):
+            say(f"{dtype}: exact KV of {FILES[i]} ({n_tokens} tokens, {j + 1}/{len(todo)}, once: kept in {cache_dir})"
+                + (f", about {(time.perf_counter() - t0) / j * (len(todo) - j) / 60:.1f} min left" if j else ""))
+            [r] = eng._start([ps[i]], 1, Sampling(), 0, draft=False)
+            tmp = paths[i].with_suffix(f".tmp{os.getpid()}")
+            torch.save(r.full.to_2ltd(0, n_tokens).contiguous(), tmp)
+            tmp.replace(paths[i])
+    return [torch.load(path, mmap=True) for path in paths]
+
+
+def stored_prompts(model, method: str, params: dict, ps: list[list[int]], kvs: list[torch.Tensor],
+                   chunk_size: int = 256) -> DualTierStore:
+    """A memory store holding every full chunk of the prompts (``ps``, KV from ``kvs``) and its
+    ``method`` compression, as a shared prefix cache would."""
+    heads = model.config.num_key_value_heads
+    store = StoreConfig.parse(dict(compressor=method, compressor_params=params, memory_bytes=64 << 30,
+                                   hot_bytes=8 << 30), where="decode benchmark").with_heads(heads).build()
+    keys_of = VeriCacheEngine(model, store=store, chunk_size=chunk_size).chunk_keys
+    for ids, kv in zip(ps, kvs):
+        for i, key in enumerate(keys_of(ids)):
+            store.put(key, kv[:, :, i * chunk_size:(i + 1) * chunk_size].contiguous(), start=i * chunk_size)
+    return store
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="2048,4096")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--dtypes", default="float32")
     ap.add_argument("--compressors", default="streamingllm,int8",
-                    help="comma-separated names, first example of each (default streamingllm,int8)")
+                    help='comma-separated: a name (its first example) or name{json params} (default streamingllm,int8)')
+    ap.add_argument("--temperatures", default="0", help="comma-separated; 0 is greedy, > 0 seeded sampling")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--draft-len", default="auto")
+    ap.add_argument("--prefix", default="stored", choices=["stored", "computed"],
+                    help="stored: prompt prefixes served from a store (exact KV cached on disk); computed: prefill each run")
+    ap.add_argument("--kv-cache-dir", type=Path, default=Path.home() / ".cache/lmcache_vericache/bench-prefix",
+                    help="where --prefix stored keeps each prompt file's exact KV (GBs at 8k x 16 files)")
     ap.add_argument("--source", default="memory", choices=["memory", "resident"],
-                    help="memory: a store holds the prompt chunks; resident: no store at all")
+                    help="--prefix computed: memory: a store holds the prompt chunks; resident: no store at all")
     ap.add_argument("--full-kv", default="auto", choices=["auto", "resident", "offload"],
                     help="where the full KV lives between verifications (engine full_kv)")
     ap.add_argument("--step-reps", type=int, default=3, help="repeats of each timed step (median; 0: skip them)")
@@ -155,20 +227,29 @@ def main() -> None:
                     help="int8 drafters attend over the codes with the int8 kernel (auto) or a dequantized copy")
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--accept-tokens", type=int, default=128, help="tokens for the acceptance study (0: skip it)")
+    ap.add_argument("--accept-context", type=int, default=0, help="context of the acceptance study (0: the first)")
     ap.add_argument("--full", action="store_true", help="2k/4k/8k, batch 1/8, fp32/bf16, every method")
+    ap.add_argument("--grid", action="store_true",
+                    help="1k/2k/4k/8k x batch 1/2/4/8/16, bf16 + fp32, int8, no step costs or acceptance")
     ap.add_argument("--name", default="decode")
     args = ap.parse_args()
     if args.full:
         args.contexts, args.batches, args.dtypes = "2048,4096,8192", "1,8", "float32,bfloat16"
         args.compressors = ",".join(compressors.available())
+    if args.grid:
+        args.contexts, args.batches, args.dtypes = "1024,2048,4096,8192", "1,2,4,8,16", "bfloat16,float32"
+        args.compressors, args.step_reps, args.accept_tokens = "int8", 0, 0
     draft_len = args.draft_len if args.draft_len == "auto" else int(args.draft_len)
-    for m in args.compressors.split(","):
-        compressors.get(m)  # unknown names fail here, before any model loads
-    methods = [(m, compressors.get(m).examples[0]) for m in args.compressors.split(",")]
+    methods = parse_methods(args.compressors)
+    temps = [float(t) for t in args.temperatures.split(",")]
+    contexts, batches = [int(c) for c in args.contexts.split(",")], [int(b) for b in args.batches.split(",")]
+    if max(batches) > len(FILES):
+        ap.error(f"--batches: at most {len(FILES)} (one prompt file per request)")
     if args.source == "resident" and args.full_kv == "offload":
         ap.error("--full-kv offload needs a store (--source memory)")
+    stored = args.prefix == "stored"
     rows, accept_rows = [], []
-    todo = len(args.dtypes.split(",")) * len(args.contexts.split(",")) * len(args.batches.split(",")) * len(methods)
+    todo = len(args.dtypes.split(",")) * len(contexts) * len(batches) * len(methods) * len(temps)
     t_start = time.perf_counter()
     for dtype in args.dtypes.split(","):
         model, tok = load_model("smollm2", dtype=getattr(torch, dtype))
@@ -177,65 +258,64 @@ def main() -> None:
         warm = prompts(tok, 256, 1)
         VeriCacheEngine(model, "int8", store="resident").reference(warm, 8)
         VeriCacheEngine(model, methods[0][0], methods[0][1], draft_len=4).generate(warm, 8)
-        for ctx in map(int, args.contexts.split(",")):
-            for batch in map(int, args.batches.split(",")):
-                ps = prompts(tok, ctx, batch)
-                base = VeriCacheEngine(model, "int8", store="resident")
-                ref_s = []  # the baseline, once per (context, batch) for all methods (prefill is slow)
-                for _ in range(args.reps):
-                    say(f"{dtype} {ctx} b{batch}: full-KV baseline ({batch} prefills of {ctx} tokens, "
-                        f"{args.new_tokens} steps)")
-                    s, ref = timed(lambda base=base, ps=ps: base.reference(ps, args.new_tokens))
-                    ref_s.append(s)
+        kvs = prefix_kvs(model, tok, dtype, max(contexts), max(batches), args.kv_cache_dir) if stored else []
+        for ctx in contexts:
+            for batch in batches:
+                ps = prompts(tok, ctx + stored, batch)  # stored: ctx cached positions + the last prompt token
                 if args.step_reps:
                     say(f"{dtype} {ctx} b{batch}: prefill for the step costs")
                     reqs = prefilled(VeriCacheEngine(model, methods[0][0], methods[0][1], store="resident"), ps, 18)
-                for m, params in methods:
-                    vc_s = []
-                    for _ in range(args.reps):
-                        say(f"{dtype} {ctx} b{batch}: VeriCache {m}")
-                        # A fresh engine (and store) per repeat: a reused one would find the prompt's
-                        # prefix in its own store and skip the prefill the baseline pays.
-                        eng = VeriCacheEngine(model, m, params, draft_len=draft_len, full_kv=args.full_kv,
-                                              stagger=args.stagger == "on",
-                                              store="resident" if args.source == "resident" else None,
-                                              int8_draft=False if args.int8_draft == "off" else None)
-                        s, out = timed(lambda eng=eng, ps=ps: eng.generate(ps, args.new_tokens))
-                        vc_s.append(s)
-                    n_tok = sum(len(r.tokens) for r in ref)
-                    st = [o.stats for o in out]
-                    row = dict(dtype=dtype, context=ctx, batch=batch, method=m, params=params,
-                               ratio=round(st[0].compression_ratio, 2),
-                               full_tok_s=n_tok / statistics.median(ref_s),
-                               vericache_tok_s=sum(len(o.tokens) for o in out) / statistics.median(vc_s),
-                               identical=all(o.tokens == r.tokens for o, r in zip(out, ref)),
-                               tokens_per_round=statistics.mean(s.mean_accepted for s in st),
-                               hidden_swap=statistics.mean(s.hidden_swap_fraction for s in st),
-                               swap_s=sum(s.swap_s for s in st), bytes_moved=sum(s.bytes_moved for s in st),
-                               draft_step_ms=1e3 * statistics.mean(s.draft_s / max(1, s.draft_steps) for s in st),
-                               full_step_ms=1e3 * statistics.median(ref_s) / args.new_tokens,
-                               verify_ms=1e3 * statistics.mean(s.verify_s / max(1, s.rounds) for s in st),
-                               loops=[loops(r.tokens) for r in ref], full_kv=eng.last_run["full_kv"])
-                    row["speedup"] = row["vericache_tok_s"] / row["full_tok_s"]
-                    if args.step_reps:
-                        say(f"{dtype} {ctx} b{batch}: step costs of {m}")
-                        row.update(step_costs(model, VeriCacheEngine(
-                            model, m, params, store="resident", int8_draft=False if args.int8_draft == "off" else None),
-                            reqs, (5, 9, 17), args.step_reps))
-                    row["int8_draft"] = eng.int8_draft
-                    rows.append(row)
-                    print(_fmt(row), flush=True)
-                    done_s = time.perf_counter() - t_start
-                    print(f"[{len(rows)}/{todo}] {done_s / 60:.1f} min, about "
-                          f"{done_s / len(rows) * (todo - len(rows)) / 60:.1f} min left (acceptance study after)",
-                          file=sys.stderr, flush=True)
+                refs: dict[float, tuple] = {}
+                for mi, (m, params) in enumerate(methods):
+                    store = stored_prompts(model, m, params, ps, kvs[:batch]) if stored else None
+                    for temp in temps:
+                        sampling = dict(temperature=temp, seed=0)
+                        if mi == 0:  # the baseline, once per (context, batch, temperature) for all methods
+                            base = VeriCacheEngine(model, store=store) if stored else \
+                                VeriCacheEngine(model, "int8", store="resident")
+                            ref_s = []
+                            for _ in range(args.reps):
+                                say(f"{dtype} {ctx} b{batch} T={temp}: full-KV baseline ({batch} x {ctx} tokens "
+                                    f"{'from the store' if stored else 'prefilled'}, {args.new_tokens} steps)")
+                                s, ref = timed(lambda base=base, ps=ps, sampling=sampling: base.reference(
+                                    ps, args.new_tokens, stored_prefix=stored, **sampling))
+                                ref_s.append(s)
+                            refs[temp] = (ref, ref_s)
+                        ref, ref_s = refs[temp]
+                        vc_s = []
+                        for _ in range(args.reps):
+                            say(f"{dtype} {ctx} b{batch} T={temp}: VeriCache {m}")
+                            # A fresh engine per repeat (computed prefix: and store): a reused one would
+                            # find the prompt's prefix in its own store and skip the prefill the baseline pays.
+                            eng = VeriCacheEngine(model, m if not stored else None, params if not stored else None,
+                                                  draft_len=draft_len, full_kv=args.full_kv, stagger=args.stagger == "on",
+                                                  store=store if stored else "resident" if args.source == "resident" else None,
+                                                  int8_draft=False if args.int8_draft == "off" else None)
+                            s, out = timed(lambda eng=eng, ps=ps, sampling=sampling: eng.generate(
+                                ps, args.new_tokens, **sampling))
+                            vc_s.append(s)
+                        rows.append(_row(dtype, ctx, batch, m, params, temp, ref, ref_s, out, vc_s, eng, args))
+                        if args.step_reps and temp == temps[0]:
+                            say(f"{dtype} {ctx} b{batch}: step costs of {m}")
+                            rows[-1].update(step_costs(model, VeriCacheEngine(
+                                model, m, params, store="resident", int8_draft=False if args.int8_draft == "off" else None),
+                                reqs, (5, 9, 17), args.step_reps))
+                        print(_fmt(rows[-1]), flush=True)
+                        done_s = time.perf_counter() - t_start
+                        print(f"[{len(rows)}/{todo}] {done_s / 60:.1f} min, about "
+                              f"{done_s / len(rows) * (todo - len(rows)) / 60:.1f} min left"
+                              f"{' (acceptance study after)' if args.accept_tokens else ''}", file=sys.stderr, flush=True)
+                    if store is not None:
+                        store.close()
+        del kvs
         if args.accept_tokens == 0:
             continue
-        # acceptance three ways: batch 1, first context
-        ctx = int(args.contexts.split(",")[0])
+        # acceptance three ways: batch 1, one context
+        ctx = args.accept_context or contexts[0]
         [p] = prompts(tok, ctx, 1, cont=args.accept_tokens)
         prompt, cont = p[:ctx], p[ctx:]
         for m, params in methods:
+            say(f"{dtype} {ctx}: acceptance of {m} {params} (greedy, T=0.8, teacher-forced)")
             eng = VeriCacheEngine(model, m, params, draft_len=32, store="resident")
             [g] = eng.generate([prompt], args.accept_tokens)
             [s] = eng.generate([prompt], args.accept_tokens, temperature=0.8, seed=0)
@@ -244,42 +324,70 @@ def main() -> None:
                      greedy=g.stats.mean_accepted, greedy_loops=loops(g.tokens), sampled_t08=s.stats.mean_accepted,
                      teacher_forced=tf, horizon=32)
             accept_rows.append(a)
-            print(f"accept {dtype} {m:<14} ratio {a['ratio']:>5}x  greedy {a['greedy']:5.1f}"
+            print(f"accept {dtype} {m:<14} {json.dumps(params)} ratio {a['ratio']:>5}x  greedy {a['greedy']:5.1f}"
                   f"{' (loops)' if a['greedy_loops'] else ''}  sampled {a['sampled_t08']:5.1f}  teacher-forced {tf:5.1f}",
                   flush=True)
     OUT.mkdir(exist_ok=True)
-    meta = dict(**machine_info(), new_tokens=args.new_tokens, draft_len=args.draft_len, source=args.source,
-                full_kv=args.full_kv, reps=args.reps, step_reps=args.step_reps, stagger=args.stagger)
+    meta = dict(**machine_info(), new_tokens=args.new_tokens, draft_len=args.draft_len, prefix=args.prefix,
+                source=args.source, full_kv=args.full_kv, reps=args.reps, step_reps=args.step_reps, stagger=args.stagger)
     (OUT / f"{args.name}.json").write_text(json.dumps(dict(meta=meta, throughput=rows, acceptance=accept_rows), indent=1))
     _plot(rows, OUT / f"{args.name}.png")
 
 
+def _row(dtype, ctx, batch, m, params, temp, ref, ref_s, out, vc_s, eng, args) -> dict:
+    n_tok = sum(len(r.tokens) for r in ref)
+    st = [o.stats for o in out]
+    row = dict(dtype=dtype, context=ctx, batch=batch, method=m, params=params, temperature=temp,
+               ratio=round(st[0].compression_ratio, 2),
+               full_tok_s=n_tok / statistics.median(ref_s),
+               vericache_tok_s=sum(len(o.tokens) for o in out) / statistics.median(vc_s),
+               # sampled outputs are equal in distribution, not token for token: only greedy compares
+               identical=all(o.tokens == r.tokens for o, r in zip(out, ref)) if temp == 0 else None,
+               tokens_per_round=statistics.mean(s.mean_accepted for s in st),
+               hidden_swap=statistics.mean(s.hidden_swap_fraction for s in st),
+               swap_s=sum(s.swap_s for s in st), bytes_moved=sum(s.bytes_moved for s in st),
+               draft_step_ms=1e3 * statistics.mean(s.draft_s / max(1, s.draft_steps) for s in st),
+               full_step_ms=1e3 * statistics.median(ref_s) / args.new_tokens,
+               verify_ms=1e3 * statistics.mean(s.verify_s / max(1, s.rounds) for s in st),
+               cached_chunks=sum(s.cached_chunks for s in st),
+               loops=[loops(r.tokens) for r in ref], full_kv=eng.last_run["full_kv"], int8_draft=eng.int8_draft)
+    row["speedup"] = row["vericache_tok_s"] / row["full_tok_s"]
+    return row
+
+
 def _fmt(r: dict) -> str:
+    line = (f"{r['dtype']:<8} ctx {r['context']:>5} b {r['batch']:>2} T={r['temperature']} {r['method']:<12} "
+            f"{r['ratio']:>5}x  full {r['full_tok_s']:6.1f} tok/s  vericache {r['vericache_tok_s']:6.1f} tok/s  "
+            f"x{r['speedup']:.2f}  identical {r['identical']}  tok/round {r['tokens_per_round']:5.1f}  "
+            f"hidden {100 * r['hidden_swap']:.0f}%  [{r['full_kv']}]  in the run: draft {r['draft_step_ms']:.0f} ms "
+            f"verify {r['verify_ms']:.0f} ms, full step {r['full_step_ms']:.0f} ms")
     if "t_full_ms" not in r:  # --step-reps 0
-        return (f"{r['dtype']:<8} ctx {r['context']:>5} b {r['batch']} {r['method']:<14} {r['ratio']:>5}x  "
-                f"full {r['full_tok_s']:6.1f} tok/s  vericache {r['vericache_tok_s']:6.1f} tok/s  x{r['speedup']:.2f}  "
-                f"identical {r['identical']}  tok/round {r['tokens_per_round']:5.1f}  [{r['full_kv']}]")
-    return (f"{r['dtype']:<8} ctx {r['context']:>5} b {r['batch']} {r['method']:<14} {r['ratio']:>5}x  "
-            f"full {r['full_tok_s']:6.1f} tok/s  vericache {r['vericache_tok_s']:6.1f} tok/s  x{r['speedup']:.2f}  "
-            f"identical {r['identical']}  tok/round {r['tokens_per_round']:5.1f}  hidden {100 * r['hidden_swap']:.0f}%  "
-            f"[{r['full_kv']}]\n    steps: full {r['t_full_ms']:.0f} ms  draft {r['t_draft_ms']:.0f} ms "
-            f"(bound {r['draft_bound_ms']:.0f} ms, x{r['draft_vs_bound']:.2f})  verify {r['verify_len']} tokens "
-            f"{r['t_verify_ms']:.0f} ms (x{r['verify_vs_full']:.2f} of a full step)  "
-            f"in the run: draft {r['draft_step_ms']:.0f} ms  verify {r['verify_ms']:.0f} ms")
+        return line
+    return line + (f"\n    steps: full {r['t_full_ms']:.0f} ms  draft {r['t_draft_ms']:.0f} ms "
+                   f"(bound {r['draft_bound_ms']:.0f} ms, x{r['draft_vs_bound']:.2f})  verify {r['verify_len']} tokens "
+                   f"{r['t_verify_ms']:.0f} ms (x{r['verify_vs_full']:.2f} of a full step)")
 
 
 def _plot(rows: list[dict], path: Path) -> None:
+    """Speed-up against context length, a line per batch size, a panel per dtype/method/temperature."""
     plt = pyplot()
-    if plt is None:
+    if plt is None or not rows:
         return
-    fig, ax = plt.subplots(figsize=(8, 4))
-    labels = [f"{r['method']}\n{r['dtype'][:4]} {r['context'] // 1024}k b{r['batch']}" for r in rows]
-    x = range(len(rows))
-    ax.bar([i - 0.2 for i in x], [r["full_tok_s"] for r in rows], 0.4, label="full-KV decode")
-    ax.bar([i + 0.2 for i in x], [r["vericache_tok_s"] for r in rows], 0.4, label="VeriCache")
-    ax.set_xticks(list(x), labels, fontsize=6)
-    ax.set_ylabel("decode tokens/s")
-    ax.legend()
+    panels = sorted({(r["dtype"], r["method"], r["temperature"]) for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False, sharey=True)
+    for ax, (dtype, method, temp) in zip(axes[0], panels):
+        mine = [r for r in rows if (r["dtype"], r["method"], r["temperature"]) == (dtype, method, temp)]
+        for batch in sorted({r["batch"] for r in mine}):
+            pts = sorted((r["context"], r["speedup"]) for r in mine if r["batch"] == batch)
+            ax.plot([c for c, _ in pts], [x for _, x in pts], marker="o", label=f"batch {batch}")
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({r["context"] for r in mine}), [f"{c // 1024}k" if c >= 1024 else str(c)
+                                                             for c in sorted({r["context"] for r in mine})])
+        ax.set_title(f"{method}, {dtype}, {'greedy' if temp == 0 else f'T={temp}'}", fontsize=9)
+        ax.set_xlabel("context (tokens)")
+    axes[0][0].set_ylabel("VeriCache / full-KV decode tokens/s")
+    axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")

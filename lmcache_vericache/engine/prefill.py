@@ -44,7 +44,7 @@ class Prefiller:
         position, or ``None`` when the prompt's prefix came from the store and its tail is left to
         the first round."""
         if not draft:
-            return self.prefill(r)[0]
+            return self.prefill(r, self._load_full_prefix(r, keys))[0]
         c = self.chunk_size
         if self.store is not None:
             # At least one prompt token stays uncached: its forward yields the first token.
@@ -71,12 +71,30 @@ class Prefiller:
         self._layout_draft(r, keys, self._store_prompt(r, keys, queries))
         return logits
 
-    def prefill(self, r: Request) -> tuple[Tensor, Tensor | None]:
-        """Exact KV of the prompt, chunk by chunk (the same pieces a recompute uses); returns the
-        last position's logits and the observation-window queries of the prompt's last tokens."""
+    def _load_full_prefix(self, r: Request, keys: list[str]) -> int:
+        """Reference decoding (full KV only): the leading run of the prompt's full chunks the store
+        holds goes straight into the full cache, as LMCache's own prefix caching serves it; at
+        least one prompt token stays uncached (its forward yields the first token). Returns the
+        number of positions loaded (0 without a store)."""
+        c, n = self.chunk_size, 0
+        for key in keys[:(len(r.tokens) - 1) // c] if self.store is not None else []:
+            kv = self.store.get_full(key)
+            if kv is None:
+                break
+            r.full.load_2ltd(n, kv)
+            n += c
+            r.stats.cached_chunks += 1
+            r.stats.bytes_moved += kv.nbytes
+        r.full.n = n
+        return n
+
+    def prefill(self, r: Request, start: int = 0) -> tuple[Tensor, Tensor | None]:
+        """Exact KV of the prompt from position ``start`` on (the full cache holds the positions
+        before it), chunk by chunk (the same pieces a recompute uses); returns the last position's
+        logits and the observation-window queries of the prompt's last tokens."""
         ids, c, n = r.tokens, self.chunk_size, len(r.tokens)
-        w = min(self.query_window, n)
-        starts = list(range(0, n, c))
+        w = min(self.query_window, n - start)
+        starts = list(range(start, n, c))
         if len(starts) > 1 and n - starts[-1] < w:
             starts.pop()  # the last piece must hold the whole observation window
         for j, s in enumerate(starts):

@@ -251,11 +251,14 @@ class VeriCacheEngine:
         return [Result(r.out, r.stats) for r in sorted(reqs, key=lambda r: r.idx)]
 
     def reference(self, prompts: Prompts, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
-                  top_p: float = 1.0, seed: int = 0) -> list[Result]:
+                  top_p: float = 1.0, seed: int = 0, stored_prefix: bool = False) -> list[Result]:
         """Plain full-KV decoding in the same runtime: one token per forward. Records, per step, the
-        top-1 minus top-2 logit margin (a divergence at a near-zero margin is a floating-point tie)."""
+        top-1 minus top-2 logit margin (a divergence at a near-zero margin is a floating-point tie).
+        ``stored_prefix``: the leading full chunks of a prompt that the store holds are read from it
+        instead of prefilled (the full-KV baseline of a served prefix, as LMCache's own prefix
+        caching gives it; ``stats.cached_chunks`` counts them, ``stats.prefill_s`` includes the read)."""
         sampling = Sampling(temperature, top_k, top_p)
-        reqs = self._start(prompts, max_new_tokens, sampling, seed, draft=False)
+        reqs = self._start(prompts, max_new_tokens, sampling, seed, draft=False, stored_prefix=stored_prefix)
         while active := [r for r in reqs if not r.done]:
             t0 = time.perf_counter()
             logits, _ = self.rt.forward(torch.tensor([r.tokens[-1] for r in active]),
@@ -267,13 +270,14 @@ class VeriCacheEngine:
         return [Result(r.out, r.stats, r.margins) for r in reqs]
 
     # -- set-up -----------------------------------------------------------------------------------
-    def _start(self, prompts: Prompts, max_new: int, sampling: Sampling, seed: int, draft: bool) -> list[Request]:
+    def _start(self, prompts: Prompts, max_new: int, sampling: Sampling, seed: int, draft: bool,
+               stored_prefix: bool = False) -> list[Request]:
         """Set up every prompt at once with resident caches (reference decoding, benchmarks)."""
         batch = self._batch(prompts, max_new)
         res = self._residency(batch, max_new, "resident")
         twins: dict = {}
-        return [self._setup(batch, i, max_new, sampling, seed, draft, res, time.perf_counter(), twins)
-                for i in range(len(batch))]
+        return [self._setup(batch, i, max_new, sampling, seed, draft, res, time.perf_counter(), twins,
+                            stored_prefix) for i in range(len(batch))]
 
     def _batch(self, prompts: Prompts, max_new: int) -> list[list[int]]:
         if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
@@ -313,7 +317,7 @@ class VeriCacheEngine:
         return new
 
     def _setup(self, batch: list[list[int]], i: int, max_new: int, sampling: Sampling, seed: int, draft: bool,
-               res: Residency, t_begin: float, twins: dict) -> Request | None:
+               res: Residency, t_begin: float, twins: dict, stored_prefix: bool = False) -> Request | None:
         """Caches of request ``i`` (``None``: offload and no verify cache free for its prefill).
         ``twins``: requests set up since the last decode step, by prompt; an identical prompt copies
         their caches instead of prefilling again (and decodes as if it had prefilled)."""
@@ -334,7 +338,7 @@ class VeriCacheEngine:
             for name in ("compressed_bytes", "full_prefix_bytes", "cached_chunks"):
                 setattr(r.stats, name, getattr(twin.stats, name))
         else:
-            keys = self.chunk_keys(r.tokens) if self.store is not None and draft else []
+            keys = self.chunk_keys(r.tokens) if self.store is not None and (draft or stored_prefix) else []
             logits = self._prefiller.setup(r, keys, draft)
             twins[tuple(ids)] = (r, logits)
         r.stats.prefill_s = time.perf_counter() - t0
