@@ -9,7 +9,11 @@ and whether every request's tokens equal full-KV greedy decoding. On a CPU the b
 accelerator memory.
 
     .venv/bin/python benchmarks/budget.py                        # 2k context, budget of 8, 24 requests
-    .venv/bin/python benchmarks/budget.py --context 8192 --compressor int8
+    .venv/bin/python benchmarks/budget.py --context 8192 --dtype bfloat16 --prefix stored
+
+``--prefix stored``: the prompts' prefixes are served from a store (their exact KV computed once and
+kept on disk, benchmarks/prefixes.py): both sides read them instead of prefilling (a prompt is
+``context`` cached positions plus its last token); ``computed`` (default) prefills them.
 
 Writes benchmarks/results/budget.json.
 """
@@ -24,6 +28,7 @@ from pathlib import Path
 
 import torch
 from machine import machine_info, say
+from prefixes import DEFAULT_DIR, prefix_kvs, stored_prompts
 
 from lmcache_vericache import compressors
 from lmcache_vericache.data import stdlib_source
@@ -35,14 +40,14 @@ FILES = ["argparse.py", "typing.py", "inspect.py", "pathlib.py", "subprocess.py"
 OUT = Path(__file__).parent / "results"
 
 
-def prompts(tok, n_tokens: int, count: int) -> list[list[int]]:
-    """``count`` different real prompts: consecutive ``n_tokens`` windows of large stdlib files."""
-    out = []
+def prompts(tok, n_tokens: int, count: int) -> dict[str, list[int]]:
+    """``count`` different real prompts, by name: consecutive ``n_tokens`` windows of large stdlib files."""
+    out = {}
     for f in FILES:
         ids = tok(stdlib_source(f), add_special_tokens=False)["input_ids"]
-        out += [ids[i:i + n_tokens] for i in range(0, len(ids) - n_tokens + 1, n_tokens)]
+        out |= {f"{f}@{i}": ids[i:i + n_tokens] for i in range(0, len(ids) - n_tokens + 1, n_tokens)}
         if len(out) >= count:
-            return out[:count]
+            return dict(list(out.items())[:count])
     raise ValueError(f"only {len(out)} windows of {n_tokens} tokens in the stdlib files, need {count}")
 
 
@@ -53,41 +58,54 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=24, help="requests offered")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--compressor", default="streamingllm", help="first example of the method")
+    ap.add_argument("--compressor", default="streamingllm", help="the method (its first example unless --params)")
+    ap.add_argument("--params", type=json.loads, default=None, help="the method's parameters, JSON")
+    ap.add_argument("--prefix", default="computed", choices=["computed", "stored"],
+                    help="stored: prompt prefixes served from a store (exact KV cached on disk)")
+    ap.add_argument("--kv-cache-dir", type=Path, default=DEFAULT_DIR)
     ap.add_argument("--draft-len", default="auto")
     ap.add_argument("--verify-buffers", type=int, default=None, help="offload pool size (default: the engine's)")
     ap.add_argument("--name", default="budget")
     args = ap.parse_args()
-    params = compressors.get(args.compressor).examples[0]  # unknown names fail before the model loads
+    params = compressors.examples(args.compressor)[0] if args.params is None else args.params
+    compressors.get(args.compressor, **params)  # unknown names and bad params fail before the model loads
     if min(args.context, args.full_requests, args.requests, args.new_tokens) < 1:
         ap.error("--context, --full-requests, --requests and --new-tokens must be positive")
     draft_len = args.draft_len if args.draft_len == "auto" else int(args.draft_len)
 
     model, tok = load_model("smollm2", dtype=getattr(torch, args.dtype))
-    ps = prompts(tok, args.context, args.requests)
+    stored = args.prefix == "stored"
+    named = prompts(tok, args.context + stored, args.requests)  # stored: + the last prompt token
+    ps = list(named.values())
+    store = None
+    if stored:
+        kvs = prefix_kvs(model, args.dtype, {k: v[:-1] for k, v in named.items()}, args.kv_cache_dir)
+        say(f"putting {len(ps)} prompts' chunks into a memory store ({args.compressor})")
+        store = stored_prompts(model, args.compressor, params, ps, kvs)
     eng = VeriCacheEngine(model, args.compressor, params, draft_len=draft_len)
     full_bytes = (args.context + args.new_tokens + eng.max_draft_len + 2) * eng.rt.kv_bytes_per_token()
     budget = args.full_requests * full_bytes
     VeriCacheEngine(model, "int8", store="resident").reference(ps[:1], 4)  # warm-up
 
-    base = VeriCacheEngine(model, "int8", store="resident")
+    base = VeriCacheEngine(model, store=store) if stored else VeriCacheEngine(model, "int8", store="resident")
     ref, base_s = [], 0.0
     for i in range(0, len(ps), args.full_requests):  # full-KV decoding: waves of what the budget holds
         say(f"full-KV wave {i // args.full_requests + 1}: requests {i}-{min(i + args.full_requests, len(ps)) - 1}")
         t0 = time.perf_counter()
-        wave = base.reference(ps[i:i + args.full_requests], args.new_tokens)
+        wave = base.reference(ps[i:i + args.full_requests], args.new_tokens, stored_prefix=stored)
         base_s += time.perf_counter() - t0 - sum(r.stats.prefill_s for r in wave)
         ref += wave
 
     say(f"VeriCache offload, {args.compressor}, kv_budget_bytes={budget}")
-    vc = VeriCacheEngine(model, args.compressor, params, draft_len=draft_len, kv_budget_bytes=budget,
-                         verify_buffers=args.verify_buffers)
+    vc = VeriCacheEngine(model, None if stored else args.compressor, None if stored else params,
+                         draft_len=draft_len, kv_budget_bytes=budget, verify_buffers=args.verify_buffers, store=store)
     t0 = time.perf_counter()
     out = vc.generate(ps, args.new_tokens)
     vc_s = time.perf_counter() - t0 - sum(o.stats.prefill_s for o in out)
     run = vc.last_run
     tokens = sum(len(o.tokens) for o in out)
-    row = dict(context=args.context, dtype=args.dtype, method=args.compressor, params=params,
+    row = dict(context=args.context, dtype=args.dtype, method=args.compressor, params=params, prefix=args.prefix,
+               ratio=round(statistics.mean(o.stats.compression_ratio for o in out), 2),
                budget_bytes=budget, full_cache_bytes=full_bytes, requests=args.requests,
                full_kv_at_once=args.full_requests, vericache_at_once=run["max_active"],
                vericache_mode=run["full_kv"], verify_buffers=run["verify_buffers"],

@@ -39,18 +39,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-from machine import machine_info, pyplot
+from machine import machine_info, pyplot, say
+from prefixes import DEFAULT_DIR, prefix_kvs, stored_prompts
 
 from lmcache_vericache import compressors
-from lmcache_vericache.backends import DualTierStore, StoreConfig
-from lmcache_vericache.backends.keys import model_fingerprint
+from lmcache_vericache.backends import DualTierStore
 from lmcache_vericache.data import stdlib_source
 from lmcache_vericache.engine import Sampling, Segment, VeriCacheEngine
 from lmcache_vericache.models import load_model
@@ -101,17 +100,12 @@ def teacher_forced(eng: VeriCacheEngine, prompt: list[int], cont: list[int], hor
     return emitted / rounds
 
 
-_T0 = time.perf_counter()
-
-
-def say(msg: str) -> None:
-    """Progress on stderr: what runs now and the time so far."""
-    print(f"[{(time.perf_counter() - _T0) / 60:5.1f} min] {msg}", file=sys.stderr, flush=True)
-
-
-def prefilled(eng: VeriCacheEngine, ps: list[list[int]], room: int) -> list:
-    """Requests with resident full caches of the prompts (and their observation-window queries)."""
-    return eng._start(ps, room, Sampling(), 0, draft=True)
+def prefilled(model, method: tuple[str, dict], ps: list[list[int]], store: DualTierStore | None) -> list:
+    """Requests with resident full caches of the prompts: read from ``store`` (no observation-window
+    queries then), or prefilled (with them)."""
+    if store is not None:
+        return VeriCacheEngine(model, store=store)._start(ps, 18, Sampling(), 0, draft=False, stored_prefix=True)
+    return VeriCacheEngine(model, *method, store="resident")._start(ps, 18, Sampling(), 0, draft=True)
 
 
 def step_costs(model, eng: VeriCacheEngine, reqs: list, verify_lens: tuple[int, ...], reps: int) -> dict:
@@ -168,40 +162,6 @@ def parse_methods(spec: str) -> list[tuple[str, dict]]:
     return out
 
 
-def prefix_kvs(model, tok, dtype: str, n_tokens: int, batch: int, cache_dir: Path) -> list[torch.Tensor]:
-    """Exact KV (``[2, layers, n_tokens, heads*dim]``) of the first ``n_tokens`` of the first ``batch``
-    files, computed once per model weights and dtype and kept in ``cache_dir`` (memory-mapped when
-    read back). Causal: the KV of a shorter prefix is the leading slice of it."""
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tag = f"{model_fingerprint(model)[:16]}-{dtype}-{n_tokens}"
-    paths = [cache_dir / f"{tag}-{f.replace('/', '_')}.pt" for f in FILES[:batch]]
-    todo = [i for i, path in enumerate(paths) if not path.exists()]
-    if todo:
-        eng, ps, t0 = VeriCacheEngine(model, "int8", store="resident"), prompts(tok, n_tokens, batch), time.perf_counter()
-        for j, i in enumerate(todo):
-            say(f"{dtype}: exact KV of {FILES[i]} ({n_tokens} tokens, {j + 1}/{len(todo)}, once: kept in {cache_dir})"
-                + (f", about {(time.perf_counter() - t0) / j * (len(todo) - j) / 60:.1f} min left" if j else ""))
-            [r] = eng._start([ps[i]], 1, Sampling(), 0, draft=False)
-            tmp = paths[i].with_suffix(f".tmp{os.getpid()}")
-            torch.save(r.full.to_2ltd(0, n_tokens).contiguous(), tmp)
-            tmp.replace(paths[i])
-    return [torch.load(path, mmap=True) for path in paths]
-
-
-def stored_prompts(model, method: str, params: dict, ps: list[list[int]], kvs: list[torch.Tensor],
-                   chunk_size: int = 256) -> DualTierStore:
-    """A memory store holding every full chunk of the prompts (``ps``, KV from ``kvs``) and its
-    ``method`` compression, as a shared prefix cache would."""
-    heads = model.config.num_key_value_heads
-    store = StoreConfig.parse(dict(compressor=method, compressor_params=params, memory_bytes=64 << 30,
-                                   hot_bytes=8 << 30), where="decode benchmark").with_heads(heads).build()
-    keys_of = VeriCacheEngine(model, store=store, chunk_size=chunk_size).chunk_keys
-    for ids, kv in zip(ps, kvs):
-        for i, key in enumerate(keys_of(ids)):
-            store.put(key, kv[:, :, i * chunk_size:(i + 1) * chunk_size].contiguous(), start=i * chunk_size)
-    return store
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="2048,4096")
@@ -214,7 +174,7 @@ def main() -> None:
     ap.add_argument("--draft-len", default="auto")
     ap.add_argument("--prefix", default="stored", choices=["stored", "computed"],
                     help="stored: prompt prefixes served from a store (exact KV cached on disk); computed: prefill each run")
-    ap.add_argument("--kv-cache-dir", type=Path, default=Path.home() / ".cache/lmcache_vericache/bench-prefix",
+    ap.add_argument("--kv-cache-dir", type=Path, default=DEFAULT_DIR,
                     help="where --prefix stored keeps each prompt file's exact KV (GBs at 8k x 16 files)")
     ap.add_argument("--source", default="memory", choices=["memory", "resident"],
                     help="--prefix computed: memory: a store holds the prompt chunks; resident: no store at all")
@@ -258,16 +218,17 @@ def main() -> None:
         warm = prompts(tok, 256, 1)
         VeriCacheEngine(model, "int8", store="resident").reference(warm, 8)
         VeriCacheEngine(model, methods[0][0], methods[0][1], draft_len=4).generate(warm, 8)
-        kvs = prefix_kvs(model, tok, dtype, max(contexts), max(batches), args.kv_cache_dir) if stored else []
+        kvs = prefix_kvs(model, dtype, {f: p for f, p in zip(FILES, prompts(tok, max(contexts), max(batches)))},
+                         args.kv_cache_dir) if stored else []
         for ctx in contexts:
             for batch in batches:
                 ps = prompts(tok, ctx + stored, batch)  # stored: ctx cached positions + the last prompt token
-                if args.step_reps:
-                    say(f"{dtype} {ctx} b{batch}: prefill for the step costs")
-                    reqs = prefilled(VeriCacheEngine(model, methods[0][0], methods[0][1], store="resident"), ps, 18)
                 refs: dict[float, tuple] = {}
                 for mi, (m, params) in enumerate(methods):
                     store = stored_prompts(model, m, params, ps, kvs[:batch]) if stored else None
+                    if args.step_reps and mi == 0:
+                        say(f"{dtype} {ctx} b{batch}: caches for the step costs")
+                        reqs = prefilled(model, methods[0], ps, store)
                     for temp in temps:
                         sampling = dict(temperature=temp, seed=0)
                         if mi == 0:  # the baseline, once per (context, batch, temperature) for all methods
@@ -352,13 +313,17 @@ def _row(dtype, ctx, batch, m, params, temp, ref, ref_s, out, vc_s, eng, args) -
                cached_chunks=sum(s.cached_chunks for s in st),
                loops=[loops(r.tokens) for r in ref], full_kv=eng.last_run["full_kv"], int8_draft=eng.int8_draft)
     row["speedup"] = row["vericache_tok_s"] / row["full_tok_s"]
+    if temp == 0:  # where greedy outputs differ: the baseline's top-1 minus top-2 logit margin there
+        row["divergences"] = [dict(request=j, step=i, margin=r.margins[i]) for j, (o, r) in enumerate(zip(out, ref))
+                              for i in [next((i for i, (a, b) in enumerate(zip(o.tokens, r.tokens)) if a != b), None)]
+                              if i is not None]
     return row
 
 
 def _fmt(r: dict) -> str:
     line = (f"{r['dtype']:<8} ctx {r['context']:>5} b {r['batch']:>2} T={r['temperature']} {r['method']:<12} "
             f"{r['ratio']:>5}x  full {r['full_tok_s']:6.1f} tok/s  vericache {r['vericache_tok_s']:6.1f} tok/s  "
-            f"x{r['speedup']:.2f}  identical {r['identical']}  tok/round {r['tokens_per_round']:5.1f}  "
+            f"x{r['speedup']:.2f}  identical {r['identical']}{_ties(r)}  tok/round {r['tokens_per_round']:5.1f}  "
             f"hidden {100 * r['hidden_swap']:.0f}%  [{r['full_kv']}]  in the run: draft {r['draft_step_ms']:.0f} ms "
             f"verify {r['verify_ms']:.0f} ms, full step {r['full_step_ms']:.0f} ms")
     if "t_full_ms" not in r:  # --step-reps 0
@@ -366,6 +331,11 @@ def _fmt(r: dict) -> str:
     return line + (f"\n    steps: full {r['t_full_ms']:.0f} ms  draft {r['t_draft_ms']:.0f} ms "
                    f"(bound {r['draft_bound_ms']:.0f} ms, x{r['draft_vs_bound']:.2f})  verify {r['verify_len']} tokens "
                    f"{r['t_verify_ms']:.0f} ms (x{r['verify_vs_full']:.2f} of a full step)")
+
+
+def _ties(r: dict) -> str:
+    d = r.get("divergences") or []
+    return f" ({len(d)} differ, at margins <= {max(x['margin'] for x in d):.3f})" if d else ""
 
 
 def _plot(rows: list[dict], path: Path) -> None:

@@ -46,6 +46,25 @@ def test_resident_swaps_a_stored_prefix_once(tiny_model):
     assert out.stats.bytes_moved == 4 * 64 * Runtime(tiny_model).kv_bytes_per_token()
 
 
+def test_reference_reads_a_stored_prefix_up_to_the_first_missing_chunk(tiny_model):
+    """The full-KV baseline of a served prefix: ``reference(stored_prefix=True)`` loads the leading
+    full chunks the store holds instead of prefilling them, stops at the first one it lacks, and
+    decodes the same tokens as a prefill."""
+    prompts = random_prompts(2, [300, 257])
+    ref = _eng(tiny_model).reference(prompts, 30)
+    store = _store(tiny_model)
+    eng = _eng(tiny_model, store=store)
+    eng.generate(prompts, 2)  # stores 4 + 4 chunks
+    out = eng.reference(prompts, 30, stored_prefix=True)
+    assert [o.tokens for o in out] == [r.tokens for r in ref]
+    assert [o.stats.cached_chunks for o in out] == [4, 4]  # 257 tokens: the last one stays uncached
+    assert out[0].stats.bytes_moved == 4 * 64 * Runtime(tiny_model).kv_bytes_per_token()
+    store.capacity.delete(eng.chunk_keys(prompts[0])[2] + store._full_sfx)
+    again = eng.reference(prompts, 30, stored_prefix=True)
+    assert [o.stats.cached_chunks for o in again] == [2, 4] and again[0].tokens == ref[0].tokens
+    assert [o.stats.cached_chunks for o in eng.reference(prompts, 3)] == [0, 0]  # default: prefill
+
+
 def test_offload_refills_a_shared_verify_cache_every_round(tiny_model):
     """Two different prompts take turns on one verify cache: each round must swap its own prefix in
     (the cache holds the other request's KV before), or the tokens would differ."""
