@@ -282,10 +282,11 @@ def main() -> None:
             [s] = eng.generate([prompt], args.accept_tokens, temperature=0.8, seed=0)
             tf = teacher_forced(eng, prompt, cont, 32)
             a = dict(dtype=dtype, context=ctx, method=m, params=params, ratio=round(g.stats.compression_ratio, 2),
+                     ratio_vs_bf16=_vs_bf16(g.stats.compression_ratio, dtype),
                      greedy=g.stats.mean_accepted, greedy_loops=loops(g.tokens), sampled_t08=s.stats.mean_accepted,
                      teacher_forced=tf, horizon=32)
             accept_rows.append(a)
-            print(f"accept {dtype} {m:<14} {json.dumps(params)} ratio {a['ratio']:>5}x  greedy {a['greedy']:5.1f}"
+            print(f"accept {dtype} {m:<14} {json.dumps(params)} ratio {a['ratio']:>5}x ({a['ratio_vs_bf16']}x vs bf16)  greedy {a['greedy']:5.1f}"
                   f"{' (loops)' if a['greedy_loops'] else ''}  sampled {a['sampled_t08']:5.1f}  teacher-forced {tf:5.1f}",
                   flush=True)
     OUT.mkdir(exist_ok=True)
@@ -299,7 +300,7 @@ def _row(dtype, ctx, batch, m, params, temp, ref, ref_s, out, vc_s, eng, args) -
     n_tok = sum(len(r.tokens) for r in ref)
     st = [o.stats for o in out]
     row = dict(dtype=dtype, context=ctx, batch=batch, method=m, params=params, temperature=temp,
-               ratio=round(st[0].compression_ratio, 2),
+               ratio=round(st[0].compression_ratio, 2), ratio_vs_bf16=_vs_bf16(st[0].compression_ratio, dtype),
                full_tok_s=n_tok / statistics.median(ref_s),
                vericache_tok_s=sum(len(o.tokens) for o in out) / statistics.median(vc_s),
                # sampled outputs are equal in distribution, not token for token: only greedy compares
@@ -331,6 +332,11 @@ def _fmt(r: dict) -> str:
     return line + (f"\n    steps: full {r['t_full_ms']:.0f} ms  draft {r['t_draft_ms']:.0f} ms "
                    f"(bound {r['draft_bound_ms']:.0f} ms, x{r['draft_vs_bound']:.2f})  verify {r['verify_len']} tokens "
                    f"{r['t_verify_ms']:.0f} ms (x{r['verify_vs_full']:.2f} of a full step)")
+
+
+def _vs_bf16(ratio: float, dtype: str) -> float:
+    """A compression ratio against the serving dtype, bf16 (an fp32 run's ratio counts 4-byte elements)."""
+    return round(ratio * 2 / torch.empty((), dtype=getattr(torch, dtype)).element_size(), 2)
 
 
 def _ties(r: dict) -> str:
