@@ -162,6 +162,29 @@ def parse_methods(spec: str) -> list[tuple[str, dict]]:
     return out
 
 
+def speedup_bound(costs: dict, stats: list) -> dict:
+    """What the measured step costs allow: with a draft step of ``r`` full steps, a verify of ``L + 1``
+    tokens costing ``v0 + v1 (L + 1)`` full steps (fitted to the measured blocks) and per-token
+    acceptance ``a``, a round emits ``E(L) = 1 + a + ... + a^L`` tokens for ``L r + v0 + v1 (L + 1)``
+    full steps. Returns the best such speed-up over L <= 64 at the run's measured ``a`` and with
+    every draft accepted (``a = 1``), and the L that gives it."""
+    r = costs["t_draft_ms"] / costs["t_full_ms"]
+    pts = [(int(n), v) for n, v in costs["verify_vs_full_by_len"].items()]
+    mx, my = statistics.mean(n for n, _ in pts), statistics.mean(v for _, v in pts)
+    v1 = sum((n - mx) * (v - my) for n, v in pts) / sum((n - mx) ** 2 for n, _ in pts)
+    v0 = my - v1 * mx
+    hits = sum(sum(s.accepted) for s in stats)
+    trials = hits + sum(a < d for s in stats for a, d in zip(s.accepted, s.drafted))
+    acc = hits / trials if trials else 0.0
+
+    def best(a: float) -> tuple[float, int]:
+        return max((sum(a ** i for i in range(L + 1)) / (L * r + v0 + v1 * (L + 1)), L) for L in range(1, 65))
+
+    (at_acc, l_acc), (perfect, l_perfect) = best(acc), best(1.0)
+    return dict(draft_vs_full=r, verify_v0=v0, verify_v1=v1, acceptance_rate=acc, bound_at_acceptance=at_acc,
+                bound_L=l_acc, bound_all_accepted=perfect, bound_all_accepted_L=l_perfect)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="2048,4096")
@@ -256,11 +279,15 @@ def main() -> None:
                                 ps, args.new_tokens, **sampling))
                             vc_s.append(s)
                         rows.append(_row(dtype, ctx, batch, m, params, temp, ref, ref_s, out, vc_s, eng, args))
-                        if args.step_reps and temp == temps[0]:
-                            say(f"{dtype} {ctx} b{batch}: step costs of {m}")
-                            rows[-1].update(step_costs(model, VeriCacheEngine(
-                                model, m, params, store="resident", int8_draft=False if args.int8_draft == "off" else None),
-                                reqs, (5, 9, 17), args.step_reps))
+                        if args.step_reps:
+                            if temp == temps[0]:  # the same caches and steps for every temperature
+                                say(f"{dtype} {ctx} b{batch}: step costs of {m}")
+                                costs = step_costs(model, VeriCacheEngine(
+                                    model, m, params, store="resident",
+                                    int8_draft=False if args.int8_draft == "off" else None), reqs, (5, 9, 17),
+                                    args.step_reps)
+                            rows[-1].update(costs)
+                            rows[-1].update(speedup_bound(costs, [o.stats for o in out]))
                         print(_fmt(rows[-1]), flush=True)
                         done_s = time.perf_counter() - t_start
                         print(f"[{len(rows)}/{todo}] {done_s / 60:.1f} min, about "
@@ -331,7 +358,9 @@ def _fmt(r: dict) -> str:
         return line
     return line + (f"\n    steps: full {r['t_full_ms']:.0f} ms  draft {r['t_draft_ms']:.0f} ms "
                    f"(bound {r['draft_bound_ms']:.0f} ms, x{r['draft_vs_bound']:.2f})  verify {r['verify_len']} tokens "
-                   f"{r['t_verify_ms']:.0f} ms (x{r['verify_vs_full']:.2f} of a full step)")
+                   f"{r['t_verify_ms']:.0f} ms (x{r['verify_vs_full']:.2f} of a full step)\n"
+                   f"    bound: x{r['bound_at_acceptance']:.2f} at L={r['bound_L']} with the run's acceptance "
+                   f"{r['acceptance_rate']:.3f}, x{r['bound_all_accepted']:.2f} with every draft accepted")
 
 
 def _vs_bf16(ratio: float, dtype: str) -> float:
