@@ -77,9 +77,10 @@ class Prefiller:
         least one prompt token stays uncached (its forward yields the first token). Returns the
         number of positions loaded (0 without a store)."""
         c, n = self.chunk_size, 0
+        shape = (2, self.rt.num_layers, c, self.rt.num_kv_heads * self.rt.head_dim)
         for key in keys[:(len(r.tokens) - 1) // c] if self.store is not None else []:
             kv = self.store.get_full(key)
-            if kv is None:
+            if kv is None or tuple(kv.shape) != shape or kv.dtype != r.full.k.dtype:  # as the swap-in checks
                 break
             r.full.load_2ltd(n, kv)
             n += c

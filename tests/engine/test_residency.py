@@ -62,6 +62,9 @@ def test_reference_reads_a_stored_prefix_up_to_the_first_missing_chunk(tiny_mode
     store.capacity.delete(eng.chunk_keys(prompts[0])[2] + store._full_sfx)
     again = eng.reference(prompts, 30, stored_prefix=True)
     assert [o.stats.cached_chunks for o in again] == [2, 4] and again[0].tokens == ref[0].tokens
+    key = eng.chunk_keys(prompts[0])[1]  # a chunk of the wrong length under a key: not used
+    store.put(key, store.get_full(key)[:, :, :32].contiguous(), compress=False, replace=True)
+    assert eng.reference(prompts[:1], 30, stored_prefix=True)[0].stats.cached_chunks == 1
     assert [o.stats.cached_chunks for o in eng.reference(prompts, 3)] == [0, 0]  # default: prefill
 
 
