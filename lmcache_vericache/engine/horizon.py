@@ -71,21 +71,31 @@ class Horizon:
 
     def update(self, drafted: int, accepted: int, draft_step_s: float, swap_s: float, verify_s: float = 0.0) -> None:
         """Record one round: ``accepted`` of ``drafted`` drafts, mean draft step, swap and verify seconds."""
-        if self.draft_len != "auto" or drafted == 0:
+        self.update_rounds([(drafted, accepted)], draft_step_s, swap_s, verify_s)
+
+    def update_rounds(self, rounds: list[tuple[int, int]], draft_step_s: float, swap_s: float,
+                      verify_s: float = 0.0) -> None:
+        """Record rounds ``(drafted, accepted)`` that shared their forwards: in lock step one horizon
+        serves the whole batch, whose requests draft together and verify in one forward (its
+        ``verify_s``), so they all get the same L and none waits for a longer one."""
+        rounds = [(d, a) for d, a in rounds if d > 0]
+        if self.draft_len != "auto" or not rounds:
             return
-        self._acc = _ema(self._acc, accepted)
+        drafted = max(d for d, _ in rounds)
+        self._acc = _ema(self._acc, sum(a for _, a in rounds) / len(rounds))
         if draft_step_s > 0:
             self._step_s = _ema(self._step_s, draft_step_s)
         if swap_s > 0:
             self._swap_s = _ema(self._swap_s, swap_s)
         # accepted drafts are successes; the first rejected one (if any) a failure
-        self._hits = 0.8 * self._hits + accepted
-        self._trials = 0.8 * self._trials + accepted + (accepted < drafted)
+        self._hits = 0.8 * self._hits + sum(a for _, a in rounds)
+        self._trials = 0.8 * self._trials + sum(a + (a < d) for d, a in rounds)
         if verify_s > 0:
             self._verifies.append((drafted + 1, verify_s))
         cost = self.verify_cost()
         if cost is None or self._step_s <= 0:
-            want = 2 * drafted if accepted == drafted else math.ceil(1.5 * self._acc) + 1
+            all_in = all(a == d for d, a in rounds)
+            want = 2 * drafted if all_in else math.ceil(1.5 * self._acc) + 1
         else:
             want = self.best(self._hits / self._trials, self._step_s, *cost)
         self.L = max(self.l_min, min(self.max_len, want))

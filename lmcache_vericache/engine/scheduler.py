@@ -124,6 +124,9 @@ class VeriCacheEngine:
         self._prefiller = Prefiller(self.rt, self.store, self.compressor, chunk_size, query_window, draft_room,
                                     self.key_space, self.int8_draft and kvfetch is None, kvfetch)
         self._on_round: Callable[[Request], None] | None = None
+        # Lock step: one horizon for the batch, and the rounds verified in the current forward.
+        self._batch_horizon: Horizon | None = None
+        self._verified: list[tuple[Request, int, int, float, float]] = []
 
     def _store_config(self, store: Any, compressor: str | None, params: dict[str, Any] | None, mode: str | None,
                       verkv: Mapping[str, Any] | None) -> tuple[StoreConfig, DualTierStore | None, bool]:
@@ -213,10 +216,16 @@ class VeriCacheEngine:
         self.last_run = dict(full_kv=res.mode, verify_buffers=res.pool.count if res.pool else 0,
                              max_active=0, peak_kv_bytes=0)
         self._on_round = on_round
+        # Staggered requests draft and verify on their own schedules, each with its own horizon; in
+        # lock step they share every forward, so one horizon (pooled acceptance, the batch's own
+        # draft and verify forwards) sets one L for all and nobody idles waiting for a longer round.
+        self._batch_horizon = None if stagger else Horizon(draft_len, self.max_draft_len)
+        self._verified = []
         try:
             while True:
                 for r in self._admit(batch, pending, reqs, res, max_new_tokens, sampling, seed, t_begin):
-                    r.horizon = Horizon(draft_len, self.max_draft_len)
+                    r.horizon = (self._batch_horizon if self._batch_horizon is not None
+                                 else Horizon(draft_len, self.max_draft_len))
                     if not r.done:
                         self._new_round(r, res)
                         if stagger and r.idx % 2 and r.limit > 1:
@@ -424,6 +433,14 @@ class VeriCacheEngine:
                 r.stats.verify_s += dt
                 r.round_verify_s = dt
                 self._verify(r, rows_r, sampling, res)
+        if self._verified:  # lock step: the batch's horizon learns from every round of this forward
+            done, self._verified = self._verified, []
+            h = self._batch_horizon
+            h.update_rounds([(d, k) for _, d, k, _, _ in done], sum(x[3] for x in done) / len(done),
+                            max(x[4] for x in done), dt)
+            for r, *_ in done:
+                if not r.done and not r.drafts:  # its next round started with the L before this update
+                    r.limit = max(0, min(h.L, r.remaining - 1))
 
     @staticmethod
     def _add(tokens, positions, segs, rows, cache, feed, pos, first_row):
@@ -485,7 +502,11 @@ class VeriCacheEngine:
         r.draft.write_suffix(r.start - r.prefix, *r.full.suffix(r.start, t + k + 1))
         drafted = len(r.drafts)
         step_s = r.round_draft_s / drafted if drafted else 0.0
-        r.horizon.update(drafted, k, step_s, r.swap.seconds if r.swap is not None else 0.0, r.round_verify_s)
+        swap_s = r.swap.seconds if r.swap is not None else 0.0
+        if self._batch_horizon is not None:
+            self._verified.append((r, drafted, k, step_s, swap_s))
+        else:
+            r.horizon.update(drafted, k, step_s, swap_s, r.round_verify_s)
         r.swap = None
         self._commit(r, r.drafts[:k] + [nxt], k)
         if not r.done:

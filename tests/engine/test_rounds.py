@@ -94,6 +94,24 @@ def test_adaptive_horizon_grows_on_full_acceptance(tiny_model):
     assert out.stats.drafted[0] == 8 and out.stats.accepted[0] == 8 and out.stats.drafted[1] == 16
 
 
+def test_lock_step_shares_one_horizon(tiny_model):
+    """In lock step every request of the batch drafts the same L each round (one horizon, pooled
+    acceptance): none waits idle for a longer round. Staggered, each request keeps its own. (Full KV
+    resident: with offload's pool of verify caches the requests of a batch verify in turns.)"""
+    prompts = random_prompts(4, [300, 200, 129, 64])
+    ref = _eng(tiny_model, eos_ids=set()).reference(prompts, 60)
+
+    def drafted_per_round(stagger):
+        out = _eng(tiny_model, draft_len="auto", stagger=stagger, full_kv="resident", eos_ids=set()).generate(prompts, 60)
+        assert [o.tokens for o in out] == [r.tokens for r in ref]
+        rounds = min(len(o.stats.drafted) for o in out) - 1  # the last rounds are cut by max_new_tokens
+        return [{o.stats.drafted[i] for o in out} for i in range(rounds)]
+
+    lock, staggered = drafted_per_round(False), drafted_per_round(True)
+    assert len(lock) >= 3 and all(len(s) == 1 for s in lock)
+    assert any(len(s) > 1 for s in staggered)
+
+
 def test_swap_misses_are_recomputed(tiny_model):
     """Full chunks gone from the store (deleted) or stored with the wrong length are misses: every
     round recomputes them and the tokens stay identical."""
