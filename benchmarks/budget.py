@@ -13,7 +13,8 @@ accelerator memory.
 
 ``--prefix stored``: the prompts' prefixes are served from a store (their exact KV computed once and
 kept on disk, benchmarks/prefixes.py): both sides read them instead of prefilling (a prompt is
-``context`` cached positions plus its last token); ``computed`` (default) prefills them.
+``context`` cached positions plus its last token, so the windows are not the computed mode's);
+``computed`` (default) prefills them.
 
 Writes benchmarks/results/budget.json.
 """
@@ -27,6 +28,7 @@ import time
 from pathlib import Path
 
 import torch
+from decode import FILES as DECODE_FILES
 from machine import machine_info, say
 from prefixes import DEFAULT_DIR, prefix_kvs, stored_prompts
 
@@ -35,17 +37,19 @@ from lmcache_vericache.data import stdlib_source
 from lmcache_vericache.engine import VeriCacheEngine
 from lmcache_vericache.models import load_model
 
-FILES = ["argparse.py", "typing.py", "inspect.py", "pathlib.py", "subprocess.py", "tarfile.py",
-         "logging/__init__.py", "email/_header_value_parser.py", "tkinter/__init__.py", "_pydecimal.py"]
+FILES = DECODE_FILES + ["tkinter/__init__.py", "pickletools.py"]  # the decode benchmark's first: shared prefix KV
 OUT = Path(__file__).parent / "results"
 
 
 def prompts(tok, n_tokens: int, count: int) -> dict[str, list[int]]:
-    """``count`` different real prompts, by name: consecutive ``n_tokens`` windows of large stdlib files."""
+    """``count`` different real prompts, by name: ``n_tokens`` windows of large stdlib files, every
+    file's first window first (the decode benchmark's prompts, whose stored KV it shares), then the
+    next windows."""
+    ids = {f: tok(stdlib_source(f), add_special_tokens=False)["input_ids"] for f in FILES}
     out = {}
-    for f in FILES:
-        ids = tok(stdlib_source(f), add_special_tokens=False)["input_ids"]
-        out |= {f"{f}@{i}": ids[i:i + n_tokens] for i in range(0, len(ids) - n_tokens + 1, n_tokens)}
+    for w in range(max(len(x) for x in ids.values()) // n_tokens):
+        out |= {f if w == 0 else f"{f}@{w * n_tokens}": x[w * n_tokens:(w + 1) * n_tokens]
+                for f, x in ids.items() if len(x) >= (w + 1) * n_tokens}
         if len(out) >= count:
             return dict(list(out.items())[:count])
     raise ValueError(f"only {len(out)} windows of {n_tokens} tokens in the stdlib files, need {count}")
@@ -83,7 +87,7 @@ def main() -> None:
         say(f"putting {len(ps)} prompts' chunks into a memory store ({args.compressor})")
         store = stored_prompts(model, args.compressor, params, ps, kvs)
     eng = VeriCacheEngine(model, args.compressor, params, draft_len=draft_len)
-    full_bytes = (args.context + args.new_tokens + eng.max_draft_len + 2) * eng.rt.kv_bytes_per_token()
+    full_bytes = (len(ps[0]) + args.new_tokens + eng.max_draft_len + 2) * eng.rt.kv_bytes_per_token()  # as the engine sizes it
     budget = args.full_requests * full_bytes
     VeriCacheEngine(model, "int8", store="resident").reference(ps[:1], 4)  # warm-up
 

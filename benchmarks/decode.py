@@ -1,10 +1,11 @@
 """Decode throughput of VeriCache vs plain full-KV decoding, measured in the same run, on SmolLM2 and
 real prompts (the first N tokens of large Python stdlib files, one file per request).
 
-Per (dtype, context, batch): plain full-KV decoding in the engine's runtime (the baseline, once for
-all methods), then
-VeriCache with each compressor (greedy): decode tokens/s (prefill excluded), speed-up, whether the
-tokens are identical to the baseline's, tokens per round, hidden swap fraction. Median of ``--reps``.
+Per (dtype, context, batch, temperature): plain full-KV decoding in the engine's runtime (the
+baseline, once for all methods), then VeriCache with each compressor: decode tokens/s (prefill
+excluded), speed-up, whether greedy tokens are identical to the baseline's (and, where not, the
+baseline's top-1/top-2 logit margin there), tokens per round, hidden swap fraction. Median of
+``--reps``; identity and acceptance are the last repeat's.
 
 Step costs, per (dtype, context, batch, method), on the same prompts' caches: a 1-token step over
 the full KV (``t_full``), over the draft KV (``t_draft``) and a verify of L+1 tokens over the full KV
@@ -21,8 +22,10 @@ Prompt prefixes (``--prefix stored``, default) are served from a store, as the d
 shared prefix: each file's exact KV is computed once per model and dtype (chunk by chunk, as a
 prefill does), kept under ``--kv-cache-dir`` and put into a fresh memory store per cell; a prompt is
 ``context`` cached positions plus its last token. The baseline reads the full chunks
-(``reference(stored_prefix=True)``), VeriCache drafts over the compressed ones while its swap brings
-the full prefix in. ``--prefix computed`` prefills every prompt in every run instead.
+(``reference(stored_prefix=True)``; the read and the first token's forward count as its prefill),
+VeriCache drafts over the compressed ones while its swap brings the full prefix in (the swap and the
+last prompt token's forwards count as decode time: the comparison leans against VeriCache). Both
+decode from the same stored KV. ``--prefix computed`` prefills every prompt in every run instead.
 
     .venv/bin/python benchmarks/decode.py                      # modest default for a 2-core CPU
     .venv/bin/python benchmarks/decode.py --full               # 2k/4k/8k x batch 1/8 x fp32/bf16, all methods
@@ -52,12 +55,14 @@ from lmcache_vericache import compressors
 from lmcache_vericache.backends import DualTierStore
 from lmcache_vericache.data import stdlib_source
 from lmcache_vericache.engine import Sampling, Segment, VeriCacheEngine
+from lmcache_vericache.engine.horizon import Horizon, rate
 from lmcache_vericache.models import load_model
 
 FILES = ["argparse.py", "typing.py", "inspect.py", "pathlib.py", "subprocess.py", "tarfile.py",
          "logging/__init__.py", "email/_header_value_parser.py", "_pydecimal.py", "turtle.py", "pydoc.py",
          "locale.py", "datetime.py", "urllib/request.py", "zipfile.py", "difflib.py"]  # 16: batch <= 16
 OUT = Path(__file__).parent / "results"
+MAX_BOUND_L = 32
 
 
 def prompts(tok, n_tokens: int, batch: int, cont: int = 0) -> list[list[int]]:
@@ -166,19 +171,20 @@ def speedup_bound(costs: dict, stats: list) -> dict:
     """What the measured step costs allow: with a draft step of ``r`` full steps, a verify of ``L + 1``
     tokens costing ``v0 + v1 (L + 1)`` full steps (fitted to the measured blocks) and per-token
     acceptance ``a``, a round emits ``E(L) = 1 + a + ... + a^L`` tokens for ``L r + v0 + v1 (L + 1)``
-    full steps. Returns the best such speed-up over L <= 64 at the run's measured ``a`` and with
-    every draft accepted (``a = 1``), and the L that gives it."""
+    full steps. Returns the best such speed-up over L <= 32 (the verify fit covers 5-17 tokens; longer
+    would extrapolate further) at the run's measured ``a`` and with every draft accepted (``a = 1``),
+    and the L that gives it."""
     r = costs["t_draft_ms"] / costs["t_full_ms"]
-    pts = [(int(n), v) for n, v in costs["verify_vs_full_by_len"].items()]
-    mx, my = statistics.mean(n for n, _ in pts), statistics.mean(v for _, v in pts)
-    v1 = sum((n - mx) * (v - my) for n, v in pts) / sum((n - mx) ** 2 for n, _ in pts)
-    v0 = my - v1 * mx
+    h = Horizon("auto", max_len=MAX_BOUND_L)
+    h._verifies.extend((int(n), v) for n, v in costs["verify_vs_full_by_len"].items())
+    v0, v1 = h.verify_cost()  # the engine's own least-squares fit, clamped at 0
     hits = sum(sum(s.accepted) for s in stats)
     trials = hits + sum(a < d for s in stats for a, d in zip(s.accepted, s.drafted))
     acc = hits / trials if trials else 0.0
 
     def best(a: float) -> tuple[float, int]:
-        return max((sum(a ** i for i in range(L + 1)) / (L * r + v0 + v1 * (L + 1)), L) for L in range(1, 65))
+        L = h.best(a, r, v0, v1)
+        return rate(L, a, r, v0, v1), L
 
     (at_acc, l_acc), (perfect, l_perfect) = best(acc), best(1.0)
     return dict(draft_vs_full=r, verify_v0=v0, verify_v1=v1, acceptance_rate=acc, bound_at_acceptance=at_acc,
@@ -228,7 +234,9 @@ def main() -> None:
     contexts, batches = [int(c) for c in args.contexts.split(",")], [int(b) for b in args.batches.split(",")]
     if max(batches) > len(FILES):
         ap.error(f"--batches: at most {len(FILES)} (one prompt file per request)")
-    if args.source == "resident" and args.full_kv == "offload":
+    if args.reps < 1:
+        ap.error("--reps must be >= 1")
+    if args.prefix == "computed" and args.source == "resident" and args.full_kv == "offload":
         ap.error("--full-kv offload needs a store (--source memory)")
     stored = args.prefix == "stored"
     rows, accept_rows = [], []
@@ -336,7 +344,7 @@ def _row(dtype, ctx, batch, m, params, temp, ref, ref_s, out, vc_s, eng, args) -
                hidden_swap=statistics.mean(s.hidden_swap_fraction for s in st),
                swap_s=sum(s.swap_s for s in st), bytes_moved=sum(s.bytes_moved for s in st),
                draft_step_ms=1e3 * statistics.mean(s.draft_s / max(1, s.draft_steps) for s in st),
-               full_step_ms=1e3 * statistics.median(ref_s) / args.new_tokens,
+               full_step_ms=1e3 * statistics.median(ref_s) / max(1, statistics.mean(len(r.tokens) for r in ref) - 1),
                verify_ms=1e3 * statistics.mean(s.verify_s / max(1, s.rounds) for s in st),
                cached_chunks=sum(s.cached_chunks for s in st),
                loops=[loops(r.tokens) for r in ref], full_kv=eng.last_run["full_kv"], int8_draft=eng.int8_draft)
@@ -349,7 +357,7 @@ def _row(dtype, ctx, batch, m, params, temp, ref, ref_s, out, vc_s, eng, args) -
 
 
 def _fmt(r: dict) -> str:
-    line = (f"{r['dtype']:<8} ctx {r['context']:>5} b {r['batch']:>2} T={r['temperature']} {r['method']:<12} "
+    line = (f"{r['dtype']:<8} ctx {r['context']:>5} b {r['batch']:>2} T={r['temperature']} {_label(r):<12} "
             f"{r['ratio']:>5}x  full {r['full_tok_s']:6.1f} tok/s  vericache {r['vericache_tok_s']:6.1f} tok/s  "
             f"x{r['speedup']:.2f}  identical {r['identical']}{_ties(r)}  tok/round {r['tokens_per_round']:5.1f}  "
             f"hidden {100 * r['hidden_swap']:.0f}%  [{r['full_kv']}]  in the run: draft {r['draft_step_ms']:.0f} ms "
@@ -361,6 +369,12 @@ def _fmt(r: dict) -> str:
                    f"{r['t_verify_ms']:.0f} ms (x{r['verify_vs_full']:.2f} of a full step)\n"
                    f"    bound: x{r['bound_at_acceptance']:.2f} at L={r['bound_L']} with the run's acceptance "
                    f"{r['acceptance_rate']:.3f}, x{r['bound_all_accepted']:.2f} with every draft accepted")
+
+
+def _label(r: dict) -> str:
+    """The method's name, with its params where they are not its first example."""
+    default = r["params"] == compressors.examples(r["method"])[0]
+    return r["method"] if default else f"{r['method']}{json.dumps(r['params'], separators=(',', ':'))}"
 
 
 def _vs_bf16(ratio: float, dtype: str) -> float:
@@ -378,10 +392,10 @@ def _plot(rows: list[dict], path: Path) -> None:
     plt = pyplot()
     if plt is None or not rows:
         return
-    panels = sorted({(r["dtype"], r["method"], r["temperature"]) for r in rows})
+    panels = sorted({(r["dtype"], _label(r), r["temperature"]) for r in rows})
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False, sharey=True)
     for ax, (dtype, method, temp) in zip(axes[0], panels):
-        mine = [r for r in rows if (r["dtype"], r["method"], r["temperature"]) == (dtype, method, temp)]
+        mine = [r for r in rows if (r["dtype"], _label(r), r["temperature"]) == (dtype, method, temp)]
         for batch in sorted({r["batch"] for r in mine}):
             pts = sorted((r["context"], r["speedup"]) for r in mine if r["batch"] == batch)
             ax.plot([c for c, _ in pts], [x for _, x in pts], marker="o", label=f"batch {batch}")

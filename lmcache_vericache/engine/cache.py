@@ -98,6 +98,13 @@ class KVCache:
         """Entries ``[start, stop)`` (base must be 0) in LMCache's ``KV_2LTD`` layout."""
         return kv_to_2ltd(self.k[:, :, start:stop], self.v[:, :, start:stop])
 
+    def fits_chunk(self, kv: Tensor | None, chunk_size: int) -> bool:
+        """Whether ``kv`` is a whole ``KV_2LTD`` chunk of this cache's layers, heads and dtype: what a
+        full chunk read from a store must be before it is loaded (a short chunk would leave entries
+        unwritten, another dtype would be converted silently)."""
+        layers, heads, _, d = self.k.shape
+        return kv is not None and tuple(kv.shape) == (2, layers, chunk_size, heads * d) and kv.dtype == self.k.dtype
+
     def load_2ltd(self, start: int, kv: Tensor) -> None:
         """Write a ``KV_2LTD`` chunk at entries ``start...`` (base must be 0)."""
         _, layers, t, hd = kv.shape

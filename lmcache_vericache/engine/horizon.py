@@ -12,6 +12,12 @@ steps: L stays short). The swap of the full prefix must hide behind drafting, so
 ceil(T_swap / t_draft). Until two different L were verified, L doubles after a round that accepted
 every draft and drops to about 1.5x the recent accepted run after a rejection. The horizon only
 changes how many drafts are verified at once, never which tokens are emitted.
+
+Where drafting does not pay (the draft step costs about a full step: short contexts, where the
+weights dominate a step), ``plain_ok`` lets auto choose L = 0: each round verifies the last token
+alone, i.e. plain full-KV decoding, when ``1 / v(0)`` beats the best L >= 1. Only without a swap to
+hide (full KV resident). Every ``probe_every`` plain rounds one round drafts again, so a change in
+acceptance or costs is noticed.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ class Horizon:
     draft_len: DraftLen = 16
     max_len: int = 64
     start_len: int = 8
+    plain_ok: bool = False
+    probe_every: int = 16
     L: int = field(init=False)
     _acc: float = field(init=False, default=0.0)
     _step_s: float = field(init=False, default=0.0)
@@ -46,6 +54,8 @@ class Horizon:
     _hits: float = field(init=False, default=0.0)  # decayed accept / reject counts
     _trials: float = field(init=False, default=0.0)
     _verifies: deque = field(init=False, default_factory=lambda: deque(maxlen=16))  # (tokens verified, s)
+    _quiet: int = field(init=False, default=0)  # plain rounds since drafting was last tried
+    _probe_len: int = field(init=False, default=0)  # the best L >= 1 when plain decoding was chosen
 
     def __post_init__(self) -> None:
         check_draft_len(self.draft_len, self.max_len)
@@ -78,10 +88,17 @@ class Horizon:
         """Record rounds ``(drafted, accepted)`` that shared their forwards: in lock step one horizon
         serves the whole batch, whose requests draft together and verify in one forward (its
         ``verify_s``), so they all get the same L and none waits for a longer one."""
-        rounds = [(d, a) for d, a in rounds if d > 0]
         if self.draft_len != "auto" or not rounds:
             return
         drafted = max(d for d, _ in rounds)
+        if verify_s > 0:
+            self._verifies.append((drafted + 1, verify_s))
+        if drafted == 0:  # plain rounds (L = 0): try drafting again now and then
+            self._quiet += 1
+            if self.L == 0 and self._quiet >= self.probe_every:
+                self._quiet, self.L = 0, max(1, self._probe_len)
+            return
+        rounds = [(d, a) for d, a in rounds if d > 0]
         self._acc = _ema(self._acc, sum(a for _, a in rounds) / len(rounds))
         if draft_step_s > 0:
             self._step_s = _ema(self._step_s, draft_step_s)
@@ -90,21 +107,27 @@ class Horizon:
         # accepted drafts are successes; the first rejected one (if any) a failure
         self._hits = 0.8 * self._hits + sum(a for _, a in rounds)
         self._trials = 0.8 * self._trials + sum(a + (a < d) for d, a in rounds)
-        if verify_s > 0:
-            self._verifies.append((drafted + 1, verify_s))
         cost = self.verify_cost()
         if cost is None or self._step_s <= 0:
             all_in = all(a == d for d, a in rounds)
             want = 2 * drafted if all_in else math.ceil(1.5 * self._acc) + 1
         else:
             want = self.best(self._hits / self._trials, self._step_s, *cost)
-        self.L = max(self.l_min, min(self.max_len, want))
+        L = max(self.l_min, min(self.max_len, want))
+        if cost is not None and self.plain_ok and swap_s == 0 and self._step_s > 0:
+            a = self._hits / self._trials
+            if rate(0, a, self._step_s, *cost) > rate(L, a, self._step_s, *cost):
+                self._probe_len, L = L, 0
+        self.L = L
 
     def best(self, a: float, t_draft: float, v0: float, v1: float) -> int:
         """The L in [1, max_len] with the most expected tokens per second of a round (0 if max_len is 0)."""
         if self.max_len < 1:
             return 0
-        def rate(L: int) -> float:
-            expected = L + 1 if a >= 1 else (1 - a ** (L + 1)) / (1 - a)
-            return expected / (L * t_draft + v0 + v1 * (L + 1))
-        return max(range(1, self.max_len + 1), key=rate)
+        return max(range(1, self.max_len + 1), key=lambda L: rate(L, a, t_draft, v0, v1))
+
+
+def rate(L: int, a: float, t_draft: float, v0: float, v1: float) -> float:
+    """Expected tokens per second of a round of ``L`` drafts: ``E(L) / (L t_draft + v0 + v1 (L + 1))``."""
+    expected = L + 1 if a >= 1 else (1 - a ** (L + 1)) / (1 - a)
+    return expected / (L * t_draft + v0 + v1 * (L + 1))

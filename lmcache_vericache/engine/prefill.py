@@ -52,7 +52,7 @@ class Prefiller:
             full = None
             if cached and self.kvfetch is not None:  # KVFetch reads the full tier: have it now or prefill
                 full = [self.store.get_full(k) for k in keys[:len(cached)]]
-                if any(f is None for f in full):
+                if not all(r.full.fits_chunk(f, c) for f in full):
                     cached = []
             if cached:
                 r.full.n = len(cached) * c
@@ -77,10 +77,9 @@ class Prefiller:
         least one prompt token stays uncached (its forward yields the first token). Returns the
         number of positions loaded (0 without a store)."""
         c, n = self.chunk_size, 0
-        shape = (2, self.rt.num_layers, c, self.rt.num_kv_heads * self.rt.head_dim)
         for key in keys[:(len(r.tokens) - 1) // c] if self.store is not None else []:
             kv = self.store.get_full(key)
-            if kv is None or tuple(kv.shape) != shape or kv.dtype != r.full.k.dtype:  # as the swap-in checks
+            if not r.full.fits_chunk(kv, c):
                 break
             r.full.load_2ltd(n, kv)
             n += c

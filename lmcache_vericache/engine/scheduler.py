@@ -219,13 +219,16 @@ class VeriCacheEngine:
         # Staggered requests draft and verify on their own schedules, each with its own horizon; in
         # lock step they share every forward, so one horizon (pooled acceptance, the batch's own
         # draft and verify forwards) sets one L for all and nobody idles waiting for a longer round.
-        self._batch_horizon = None if stagger else Horizon(draft_len, self.max_draft_len)
+        # Plain decoding (L = 0) is an option of auto only with the full KV resident: offload swaps
+        # the prefix in every round, which only drafting hides.
+        plain_ok = res.mode == "resident" and self.mode == "exact"
+        self._batch_horizon = None if stagger else Horizon(draft_len, self.max_draft_len, plain_ok=plain_ok)
         self._verified = []
         try:
             while True:
                 for r in self._admit(batch, pending, reqs, res, max_new_tokens, sampling, seed, t_begin):
                     r.horizon = (self._batch_horizon if self._batch_horizon is not None
-                                 else Horizon(draft_len, self.max_draft_len))
+                                 else Horizon(draft_len, self.max_draft_len, plain_ok=plain_ok))
                     if not r.done:
                         self._new_round(r, res)
                         if stagger and r.idx % 2 and r.limit > 1:
@@ -251,6 +254,7 @@ class VeriCacheEngine:
                              if (stagger or not drafting) else [])
                 self._step(drafting, verifying, sampling, res)
         finally:
+            self._verified = []  # an error mid-forward must not keep requests (and their caches) alive
             # Only an error leaves swaps in flight: stop them before the caller gets control back,
             # so no background thread keeps reading the store and writing into the caches.
             for r in reqs:
@@ -344,7 +348,7 @@ class VeriCacheEngine:
             r.draft = twin.draft.clone() if twin.draft is not None else None
             r.prefix, r.keys, r.prefix_missing = twin.prefix, list(twin.keys), twin.prefix_missing
             r.queries = twin.queries
-            for name in ("compressed_bytes", "full_prefix_bytes", "cached_chunks"):
+            for name in ("compressed_bytes", "full_prefix_bytes", "cached_chunks", "bytes_moved"):
                 setattr(r.stats, name, getattr(twin.stats, name))
         else:
             keys = self.chunk_keys(r.tokens) if self.store is not None and (draft or stored_prefix) else []
@@ -436,10 +440,11 @@ class VeriCacheEngine:
         if self._verified:  # lock step: the batch's horizon learns from every round of this forward
             done, self._verified = self._verified, []
             h = self._batch_horizon
-            h.update_rounds([(d, k) for _, d, k, _, _ in done], sum(x[3] for x in done) / len(done),
+            steps = [x[3] for x in done if x[1] > 0]  # rounds that drafted (capped last rounds may not)
+            h.update_rounds([(d, k) for _, d, k, _, _ in done], sum(steps) / len(steps) if steps else 0.0,
                             max(x[4] for x in done), dt)
-            for r, *_ in done:
-                if not r.done and not r.drafts:  # its next round started with the L before this update
+            for r, *_ in done:  # their next rounds started with the L from before this update
+                if not r.done:
                     r.limit = max(0, min(h.L, r.remaining - 1))
 
     @staticmethod

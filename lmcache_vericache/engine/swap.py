@@ -46,8 +46,6 @@ class SwapIn:
         self.seconds = 0.0
         self.misses: list[int] = []
         self._cache, self._chunk = cache, chunk_size
-        layers, heads, _, d = cache.k.shape
-        self._shape = (2, layers, chunk_size, heads * d)
         self._stream = None
         if cache.k.is_cuda:
             self._stream = torch.cuda.Stream(device=cache.k.device)
@@ -63,7 +61,7 @@ class SwapIn:
         t0 = time.perf_counter()
         for i in range(self._n):  # copy each chunk as soon as it is read, in order
             kv = self._handle.wait(i)
-            if kv is None or tuple(kv.shape) != self._shape or kv.dtype != self._cache.k.dtype:
+            if not self._cache.fits_chunk(kv, self._chunk):
                 self.misses.append(i)
                 continue
             if self._stream is not None:

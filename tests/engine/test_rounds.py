@@ -112,6 +112,31 @@ def test_lock_step_shares_one_horizon(tiny_model):
     assert any(len(s) > 1 for s in staggered)
 
 
+def test_auto_horizon_falls_back_to_plain_decoding_where_drafting_does_not_pay():
+    """A draft step as dear as a full step (short contexts, weights-bound) and a verify that grows
+    with L: with ``plain_ok`` auto picks L = 0 (verify the last token alone = plain decoding), tries
+    drafting again every ``probe_every`` plain rounds, and never picks 0 without ``plain_ok`` or
+    while a swap is to hide. Where drafting pays it keeps drafting. (L = 0 rounds themselves are
+    tested token-identical in test_scheduling_changes_speed_not_tokens.)"""
+    from lmcache_vericache.engine.horizon import Horizon
+
+    def run(plain_ok, step_s, swap_s=0.0):
+        h = Horizon("auto", max_len=32, plain_ok=plain_ok, probe_every=4)
+        for n in (8, 4, 8, 4):  # verify v(n) = 1.0 + 0.2 n seconds: two block sizes give the fit
+            h.update_rounds([(n, n // 2)], step_s, swap_s, 1.0 + 0.2 * (n + 1))
+        return h
+
+    h = run(True, step_s=1.0)
+    assert h.L == 0 and h._probe_len >= 1
+    for _ in range(3):
+        h.update_rounds([(0, 0)], 0.0, 0.0, 1.2)
+        assert h.L == 0
+    h.update_rounds([(0, 0)], 0.0, 0.0, 1.2)  # the 4th plain round: draft again to re-measure
+    assert h.L == h._probe_len >= 1
+    assert run(False, step_s=1.0).L >= 1 and run(True, step_s=1.0, swap_s=0.5).L >= 1
+    assert run(True, step_s=0.05).L >= 1  # cheap drafts pay
+
+
 def test_swap_misses_are_recomputed(tiny_model):
     """Full chunks gone from the store (deleted) or stored with the wrong length are misses: every
     round recomputes them and the tokens stay identical."""
