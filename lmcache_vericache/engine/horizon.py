@@ -15,9 +15,11 @@ changes how many drafts are verified at once, never which tokens are emitted.
 
 Where drafting does not pay (the draft step costs about a full step: short contexts, where the
 weights dominate a step), ``plain_ok`` lets auto choose L = 0: each round verifies the last token
-alone, i.e. plain full-KV decoding, when ``1 / v(0)`` beats the best L >= 1. Only without a swap to
-hide (full KV resident). Every ``probe_every`` plain rounds one round drafts again, so a change in
-acceptance or costs is noticed.
+alone, i.e. plain full-KV decoding. One plain round is tried when the fitted costs expect it to
+beat the best L >= 1; from then on the measured tokens/s of plain and drafting rounds decide (a
+plain step takes another attention path than a verify block, so the fit is not trusted for it).
+Only without a swap to hide (full KV resident). Every ``probe_every`` plain rounds one round
+drafts again, so a change in acceptance or costs is noticed.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ class Horizon:
     _trials: float = field(init=False, default=0.0)
     _verifies: deque = field(init=False, default_factory=lambda: deque(maxlen=16))  # (tokens verified, s)
     _quiet: int = field(init=False, default=0)  # plain rounds since drafting was last tried
+    _plain_rate: float = field(init=False, default=0.0)  # measured tokens/s of plain rounds (0: none yet)
+    _draft_rate: float = field(init=False, default=0.0)  # measured tokens/s of drafting rounds
     _probe_len: int = field(init=False, default=0)  # the best L >= 1 when plain decoding was chosen
 
     def __post_init__(self) -> None:
@@ -91,14 +95,18 @@ class Horizon:
         if self.draft_len != "auto" or not rounds:
             return
         drafted = max(d for d, _ in rounds)
-        if verify_s > 0:
-            self._verifies.append((drafted + 1, verify_s))
-        if drafted == 0:  # plain rounds (L = 0): try drafting again now and then
+        if drafted == 0:  # a plain round (L = 0): its verify is one plain decode step, measured
+            if verify_s > 0:
+                self._plain_rate = _ema(self._plain_rate, 1.0 / verify_s)
             self._quiet += 1
-            if self.L == 0 and self._quiet >= self.probe_every:
-                self._quiet, self.L = 0, max(1, self._probe_len)
+            if self.L == 0 and (self._quiet >= self.probe_every or self._plain_rate <= self._draft_rate):
+                self._quiet, self.L = 0, max(1, self._probe_len)  # draft again: to re-measure, or plain lost
             return
         rounds = [(d, a) for d, a in rounds if d > 0]
+        if verify_s > 0:
+            self._verifies.append((drafted + 1, verify_s))
+            emitted = sum(a for _, a in rounds) / len(rounds) + 1
+            self._draft_rate = _ema(self._draft_rate, emitted / (drafted * draft_step_s + verify_s))
         self._acc = _ema(self._acc, sum(a for _, a in rounds) / len(rounds))
         if draft_step_s > 0:
             self._step_s = _ema(self._step_s, draft_step_s)
@@ -115,8 +123,12 @@ class Horizon:
             want = self.best(self._hits / self._trials, self._step_s, *cost)
         L = max(self.l_min, min(self.max_len, want))
         if cost is not None and self.plain_ok and swap_s == 0 and self._step_s > 0:
+            # Plain decoding's cost is measured, not extrapolated from the verify fit (a 1-token
+            # step takes another path than a verify block): a first plain round is tried when the
+            # fit expects it to win, then the measured rates of both modes decide.
             a = self._hits / self._trials
-            if rate(0, a, self._step_s, *cost) > rate(L, a, self._step_s, *cost):
+            if (rate(0, a, self._step_s, *cost) > rate(L, a, self._step_s, *cost) if self._plain_rate == 0
+                    else self._plain_rate > self._draft_rate):
                 self._probe_len, L = L, 0
         self.L = L
 
