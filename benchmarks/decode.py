@@ -55,7 +55,7 @@ from lmcache_vericache import compressors
 from lmcache_vericache.backends import DualTierStore
 from lmcache_vericache.data import stdlib_source
 from lmcache_vericache.engine import Sampling, Segment, VeriCacheEngine
-from lmcache_vericache.engine.horizon import Horizon, rate
+from lmcache_vericache.engine.horizon import Horizon, fit_verify, rate
 from lmcache_vericache.models import load_model
 
 FILES = ["argparse.py", "typing.py", "inspect.py", "pathlib.py", "subprocess.py", "tarfile.py",
@@ -176,8 +176,7 @@ def speedup_bound(costs: dict, stats: list) -> dict:
     and the L that gives it."""
     r = costs["t_draft_ms"] / costs["t_full_ms"]
     h = Horizon("auto", max_len=MAX_BOUND_L)
-    h._verifies.extend((int(n), v) for n, v in costs["verify_vs_full_by_len"].items())
-    v0, v1 = h.verify_cost()  # the engine's own least-squares fit, clamped at 0
+    v0, v1 = fit_verify((int(n), v) for n, v in costs["verify_vs_full_by_len"].items())  # the engine's fit
     hits = sum(sum(s.accepted) for s in stats)
     trials = hits + sum(a < d for s in stats for a, d in zip(s.accepted, s.drafted))
     acc = hits / trials if trials else 0.0
@@ -350,9 +349,11 @@ def _row(dtype, ctx, batch, m, params, temp, ref, ref_s, out, vc_s, eng, args) -
                loops=[loops(r.tokens) for r in ref], full_kv=eng.last_run["full_kv"], int8_draft=eng.int8_draft)
     row["speedup"] = row["vericache_tok_s"] / row["full_tok_s"]
     if temp == 0:  # where greedy outputs differ: the baseline's top-1 minus top-2 logit margin there
-        row["divergences"] = [dict(request=j, step=i, margin=r.margins[i]) for j, (o, r) in enumerate(zip(out, ref))
-                              for i in [next((i for i, (a, b) in enumerate(zip(o.tokens, r.tokens)) if a != b), None)]
-                              if i is not None]
+        row["divergences"] = []
+        for j, (o, r) in enumerate(zip(out, ref)):
+            i = next((i for i, (a, b) in enumerate(zip(o.tokens, r.tokens)) if a != b), None)
+            if i is not None:
+                row["divergences"].append(dict(request=j, step=i, margin=r.margins[i]))
     return row
 
 

@@ -72,16 +72,8 @@ class Horizon:
         return min(self.max_len, math.ceil(self._swap_s / self._step_s))
 
     def verify_cost(self) -> tuple[float, float] | None:
-        """``(v0, v1)`` of ``v(L) = v0 + v1 * (L + 1)`` by least squares over recent rounds, or ``None``
-        until two different block sizes were verified."""
-        if len({n for n, _ in self._verifies}) < 2:
-            return None
-        k = len(self._verifies)
-        mx = sum(n for n, _ in self._verifies) / k
-        my = sum(v for _, v in self._verifies) / k
-        var = sum((n - mx) ** 2 for n, _ in self._verifies)
-        v1 = max(0.0, sum((n - mx) * (v - my) for n, v in self._verifies) / var)
-        return max(0.0, my - v1 * mx), v1
+        """``(v0, v1)`` of ``v(L) = v0 + v1 * (L + 1)`` fitted over recent rounds (:func:`fit_verify`)."""
+        return fit_verify(self._verifies)
 
     def update(self, drafted: int, accepted: int, draft_step_s: float, swap_s: float, verify_s: float = 0.0) -> None:
         """Record one round: ``accepted`` of ``drafted`` drafts, mean draft step, swap and verify seconds."""
@@ -103,11 +95,11 @@ class Horizon:
                 self._quiet, self.L = 0, max(1, self._probe_len)  # draft again: to re-measure, or plain lost
             return
         rounds = [(d, a) for d, a in rounds if d > 0]
+        mean_accepted = sum(a for _, a in rounds) / len(rounds)
         if verify_s > 0:
             self._verifies.append((drafted + 1, verify_s))
-            emitted = sum(a for _, a in rounds) / len(rounds) + 1
-            self._draft_rate = _ema(self._draft_rate, emitted / (drafted * draft_step_s + verify_s))
-        self._acc = _ema(self._acc, sum(a for _, a in rounds) / len(rounds))
+            self._draft_rate = _ema(self._draft_rate, (mean_accepted + 1) / (drafted * draft_step_s + verify_s))
+        self._acc = _ema(self._acc, mean_accepted)
         if draft_step_s > 0:
             self._step_s = _ema(self._step_s, draft_step_s)
         if swap_s > 0:
@@ -137,6 +129,20 @@ class Horizon:
         if self.max_len < 1:
             return 0
         return max(range(1, self.max_len + 1), key=lambda L: rate(L, a, t_draft, v0, v1))
+
+
+def fit_verify(points) -> tuple[float, float] | None:
+    """``(v0, v1)`` of ``v = v0 + v1 * n`` by least squares over ``(tokens verified n, seconds v)``
+    points, both clamped at 0, or ``None`` until two different block sizes were verified."""
+    points = list(points)
+    if len({n for n, _ in points}) < 2:
+        return None
+    k = len(points)
+    mx = sum(n for n, _ in points) / k
+    my = sum(v for _, v in points) / k
+    var = sum((n - mx) ** 2 for n, _ in points)
+    v1 = max(0.0, sum((n - mx) * (v - my) for n, v in points) / var)
+    return max(0.0, my - v1 * mx), v1
 
 
 def rate(L: int, a: float, t_draft: float, v0: float, v1: float) -> float:

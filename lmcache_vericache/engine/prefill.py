@@ -47,8 +47,7 @@ class Prefiller:
             return self.prefill(r, self._load_full_prefix(r, keys))[0]
         c = self.chunk_size
         if self.store is not None:
-            # At least one prompt token stays uncached: its forward yields the first token.
-            cached = self.store.get_compressed_prefix(keys[:(len(r.tokens) - 1) // c])
+            cached = self.store.get_compressed_prefix(self._cacheable(r, keys))
             full = None
             if cached and self.kvfetch is not None:  # KVFetch reads the full tier: have it now or prefill
                 full = [self.store.get_full(k) for k in keys[:len(cached)]]
@@ -75,9 +74,9 @@ class Prefiller:
         """Reference decoding (full KV only): the leading run of the prompt's full chunks the store
         holds goes straight into the full cache, as LMCache's own prefix caching serves it; at
         least one prompt token stays uncached (its forward yields the first token). Returns the
-        number of positions loaded (0 without a store)."""
+        number of positions loaded (0 without a store: ``keys`` is empty then)."""
         c, n = self.chunk_size, 0
-        for key in keys[:(len(r.tokens) - 1) // c] if self.store is not None else []:
+        for key in self._cacheable(r, keys):
             kv = self.store.get_full(key)
             if not r.full.fits_chunk(kv, c):
                 break
@@ -87,6 +86,11 @@ class Prefiller:
             r.stats.bytes_moved += kv.nbytes
         r.full.n = n
         return n
+
+    def _cacheable(self, r: Request, keys: list[str]) -> list[str]:
+        """Keys of the prompt chunks a store may serve: at least one prompt token stays uncached,
+        its forward yields the first token."""
+        return keys[:(len(r.tokens) - 1) // self.chunk_size]
 
     def prefill(self, r: Request, start: int = 0) -> tuple[Tensor, Tensor | None]:
         """Exact KV of the prompt from position ``start`` on (the full cache holds the positions

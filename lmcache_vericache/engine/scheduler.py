@@ -377,14 +377,18 @@ class VeriCacheEngine:
     # -- rounds -----------------------------------------------------------------------------------
     def _new_round(self, r: Request, res: Residency) -> None:
         r.drafts, r.qs, r.round_draft_s = [], [], 0.0
+        r.limit = self._limit(r)
         if self.mode == "verkv":  # every token comes from the (certified) drafter
-            r.limit = max(0, min(r.horizon.L, r.remaining))
             return
-        r.limit = max(0, min(r.horizon.L, r.remaining - 1))
         if res.offload:  # a verify cache when its turn comes (first come, first served)
             res.waiting.append(r)
         elif r.prefix_missing:  # resident: a prefix read from the store is swapped in once
             r.swap = SwapIn(self.store, r.keys, r.full, self.chunk_size)
+
+    def _limit(self, r: Request) -> int:
+        """Drafts of ``r``'s round: its horizon's L, capped by the tokens it still may emit (a
+        verified round also emits the target's own token; verkv rounds emit only drafts)."""
+        return max(0, min(r.horizon.L, r.remaining - (self.mode != "verkv")))
 
     def _lease_waiting(self, res: Residency) -> None:
         """Offload: hand free verify caches to the requests waiting longest. Each gets the exact
@@ -439,13 +443,13 @@ class VeriCacheEngine:
                 self._verify(r, rows_r, sampling, res)
         if self._verified:  # lock step: the batch's horizon learns from every round of this forward
             done, self._verified = self._verified, []
-            h = self._batch_horizon
-            steps = [x[3] for x in done if x[1] > 0]  # rounds that drafted (capped last rounds may not)
-            h.update_rounds([(d, k) for _, d, k, _, _ in done], sum(steps) / len(steps) if steps else 0.0,
-                            max(x[4] for x in done), dt)
+            steps = [step for _, d, _, step, _ in done if d > 0]  # capped last rounds may not draft
+            self._batch_horizon.update_rounds([(d, k) for _, d, k, _, _ in done],
+                                              sum(steps) / len(steps) if steps else 0.0,
+                                              max(swap for *_, swap in done), dt)
             for r, *_ in done:  # their next rounds started with the L from before this update
                 if not r.done:
-                    r.limit = max(0, min(h.L, r.remaining - 1))
+                    r.limit = self._limit(r)
 
     @staticmethod
     def _add(tokens, positions, segs, rows, cache, feed, pos, first_row):

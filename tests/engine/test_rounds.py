@@ -140,6 +140,16 @@ def test_auto_horizon_falls_back_to_plain_decoding_where_drafting_does_not_pay()
     assert run(True, step_s=0.05).L >= 1  # cheap drafts pay
 
 
+def test_plain_decoding_is_an_option_only_with_the_full_kv_resident(tiny_model):
+    """The engine offers auto's L = 0 fallback only where no swap must hide behind drafting."""
+    prompts = random_prompts(2, [200, 130])
+    seen = {}
+    for full_kv in ("resident", "offload"):
+        _eng(tiny_model, draft_len="auto", full_kv=full_kv).generate(
+            prompts, 12, on_round=lambda r, k=full_kv: seen.setdefault(k, set()).add(r.horizon.plain_ok))
+    assert seen == {"resident": {True}, "offload": {False}}
+
+
 def test_swap_misses_are_recomputed(tiny_model):
     """Full chunks gone from the store (deleted) or stored with the wrong length are misses: every
     round recomputes them and the tokens stay identical."""
