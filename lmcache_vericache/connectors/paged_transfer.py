@@ -126,7 +126,9 @@ class PagedTransfer:
         job = None
         try:
             layouts = self._layouts_now()
-            chunks = self._fetch(spec.keys)
+            # The compressed chunks first, alone on the link: drafting starts after their bytes
+            # instead of after a share of the full chunks' too, and on a bandwidth-bound link the
+            # full chunks arrive no later (the same bytes cross it either way).
             if self.draft_tokens and drafts.can_draft():  # no proposer: no compressed bytes moved
                 with self._ckv_lock:  # one at a time: loads sharing a prefix then find its chunks hot
                     ckvs = self.store.get_compressed_prefix(self.space.token_keys(spec.prompt[:spec.stop]))
@@ -134,6 +136,7 @@ class PagedTransfer:
                     job = drafts.start(spec.req_id, spec.prompt, ckvs, self.store.compressor, len(ckvs) * c,
                                        self.draft_tokens)
                     self.stats.compressed_chunks += len(ckvs) if job is not None else 0
+            chunks = self._fetch(spec.keys)
             blocks = torch.tensor(spec.block_ids)
             for i in range(len(spec.keys)):
                 full = chunks[i].result(self.load_timeout_s)  # TimeoutError: a hung store fails the load
