@@ -84,15 +84,37 @@ def test_batched_segments_equal_separate(tiny_model):
     torch.testing.assert_close(caches[2].k[:, :, :50], caches[0].k[:, :, :50], atol=1e-5, rtol=1e-5)
 
 
-def test_block_attention_equals_masked_softmax():
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(s, generator=g) for s in [(7, 6, 16), (2, 40, 16), (2, 40, 16)])
-    out = attend(q, k, v, 7, 0.25)
-    kr, vr = k.repeat_interleave(3, 0), v.repeat_interleave(3, 0)  # [6, 40, 16]
-    s = torch.einsum("nhd,hsd->hns", q, kr) * 0.25
-    mask = torch.arange(40)[None, :] > (33 + torch.arange(7))[:, None]
-    ref = torch.einsum("hns,hsd->nhd", s.masked_fill(mask, float("-inf")).softmax(-1), vr).reshape(7, -1)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+def _masked_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, scale: float) -> torch.Tensor:
+    """The textbook definition, in float64: query heads share KV heads in GQA groups; block token i
+    sees every entry up to its own."""
+    q, k, v = q.double(), k.double(), v.double()
+    g, total = q.shape[1] // k.shape[0], k.shape[1]
+    kr, vr = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
+    s = torch.einsum("nhd,hsd->hns", q, kr) * scale
+    mask = torch.arange(total)[None, :] > (total - n + torch.arange(n))[:, None]
+    return torch.einsum("hns,hsd->nhd", s.masked_fill(mask, float("-inf")).softmax(-1), vr).reshape(n, -1)
+
+
+# A decode step (n = 1: the fused kernel), verify blocks, a block past 32 rows per KV head, in fp32 and
+# bf16, with and without an earlier part merged by log-sum-exp (a draft cache's packed prefix).
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("n", [1, 7, 17, 40])
+@pytest.mark.parametrize("with_prefix", [False, True])
+def test_block_attention_equals_masked_softmax(dtype, tol, n, with_prefix):
+    g = torch.Generator().manual_seed(n)
+    total, split = 300, 100  # with a prefix: entries [0, split) are the earlier part
+    q, k, v = (torch.randn(s, generator=g) for s in [(n, 6, 16), (2, total, 16), (2, total, 16)])
+    want = _masked_softmax_attention(q, k, v, n, 0.25)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    prefix = None
+    if with_prefix:
+        qh = q.float().view(n, 2, 3, 16).permute(1, 2, 0, 3).reshape(2, 3 * n, 16)  # rows j*n + i
+        s = qh @ k[:, :split].float().transpose(-1, -2) * 0.25
+        prefix = (s.softmax(-1) @ v[:, :split].float(), s.logsumexp(-1))
+        k, v = k[:, split:], v[:, split:]
+    got = attend(q, k, v, n, 0.25, prefix)
+    assert got.dtype == dtype and got.shape == want.shape
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
 
 
 def test_rollback_is_truncation(tiny_model):
