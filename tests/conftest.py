@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import os
+
 from lmcache_vericache.testing.servers import (  # noqa: F401
     lm_server,
     redis_cluster,
@@ -13,6 +15,13 @@ from lmcache_vericache.testing.servers import (  # noqa: F401
     redis_server_factory,
     shared_redis_cluster,
 )
+
+
+def pytest_configure(config):
+    # Under pytest-xdist (`make test` runs the quick suite on two workers) each worker computes on
+    # one core: two workers of two threads each on a 2-core machine spin against each other.
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

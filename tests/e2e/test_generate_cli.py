@@ -11,6 +11,8 @@ import pytest
 
 from lmcache_vericache.cli import main
 
+pytestmark = pytest.mark.e2e  # subprocesses of the CLI: run once, in the end-to-end pass
+
 
 @pytest.mark.slow
 def test_generate_reference_identical(tmp_path):
