@@ -3,10 +3,10 @@ Redis / Redis Cluster / LMCache ``lm://`` servers (``lmcache_vericache.testing.s
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
-
-import os
 
 from lmcache_vericache.testing.servers import (  # noqa: F401
     lm_server,

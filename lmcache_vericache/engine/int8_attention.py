@@ -6,62 +6,23 @@ per element here instead of the model dtype's 2 or 4: the C++ kernel in ``kernel
 each key/value row on the fly, once for all query rows of its KV head (GQA groups x block tokens),
 and returns the log-sum-exp so the runtime merges this part with attention over the exact suffix.
 
-The kernel is compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler and Python
-headers are needed; about a minute, cached under ``~/.cache/torch_extensions`` per source and CPU
-flags). Where it cannot be built, :func:`available` is False and int8 drafters attend over a
-dequantized copy as before (slower, same tokens).
+The kernel is compiled on first use (:mod:`.kernels`). Where it cannot be built, :func:`available`
+is False and int8 drafters attend over a dequantized copy as before (slower, same tokens).
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import logging
-import os
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
+from . import kernels
+
 Tensor = torch.Tensor
 
-_SOURCE = Path(__file__).parent / "kernels" / "int8_attention.cpp"
-# Vectorized float reductions need reassociation; no -ffast-math (the kernel relies on -inf).
-_CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-           "-fno-trapping-math", "-fopenmp"]
 
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-@functools.cache
 def _module():
-    if os.environ.get("VERICACHE_NO_KERNELS"):
-        logger.info("VERICACHE_NO_KERNELS is set: int8 drafters attend over a dequantized copy")
-        return None
-    path = os.environ.get("PATH", "")
-    try:
-        from torch.utils.cpp_extension import load
-
-        # The build runs `ninja`: the pip one sits beside this interpreter, which a venv run without
-        # activation does not have on its PATH.
-        os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), path])
-        # -march=native: the build is only valid on this kind of CPU, so its flags name it.
-        tag = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CFLAGS).encode() + _cpu_flags().encode()).hexdigest()[:12]
-        return load(name=f"vericache_int8_attention_{tag}", sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
-                    extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as e:  # no compiler, no headers, a build error: fall back, say so once
-        logger.warning("int8 attention kernel unavailable, int8 drafters attend over a dequantized copy: %s", e)
-        return None
-    finally:
-        os.environ["PATH"] = path
+    return kernels.build("int8_attention")
 
 
 def available() -> bool:

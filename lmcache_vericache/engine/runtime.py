@@ -12,7 +12,9 @@ an HF ``*ForCausalLM`` or vLLM's module); this loop owns everything about the KV
   (staggering) in the same pass;
 * attention needs no materialized mask: a 1-token step attends to the whole cache; a block of n
   tokens attends to the cache before it (flash kernel, with log-sum-exp) and causally to itself
-  (a small n x n product), and the two parts are merged by log-sum-exp.
+  (a small n x n product), and the two parts are merged by log-sum-exp. On a CPU, a verify block's
+  part before it runs in the package's C++ kernel (``kernels/dense_attention.cpp``: each K/V row
+  read once for all the block's rows), 1.6-1.8x faster than PyTorch's flash kernel at 8k entries.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import int8_attention, kvfetch
+from . import int8_attention, kernels, kvfetch
 from .cache import KVCache
 from .hf_model import HfModel
 from .int8_attention import Int8Prefix
@@ -51,6 +53,16 @@ def _flash_lse(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, T
     return ((s - lse[..., None]).exp().to(v.dtype) @ v), lse
 
 
+def _past_lse(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """:func:`_flash_lse` of a verify block's rows over the entries before it: the dense kernel where
+    it applies (CPU, bf16/fp32, head size 64/128, 16-128 rows per KV head), flash otherwise."""
+    if (q.device.type == "cpu" and 16 <= q.shape[1] <= 128 and k.dtype in (torch.bfloat16, torch.float32)
+            and k.shape[-1] in (64, 128) and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1]
+            and (mod := kernels.build("dense_attention")) is not None):
+        return tuple(mod.dense_attention(q.float().contiguous(), k, v, scale))  # type: ignore[return-value]
+    return _flash_lse(q, k, v, scale)
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, n: int, scale: float,
            prefix: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Attention of the last ``n`` entries' queries ``q [n, Hq, D]`` over ``k``/``v`` ``[Hkv, S+n, D]``
@@ -75,7 +87,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, n: int, scale: float,
     lse_b = s.logsumexp(-1)
     out = (s - lse_b[..., None]).exp().to(vb.dtype) @ vb[:, None]  # [Hkv, g, n, D]
     if past:
-        op, lse_p = _flash_lse(qh.reshape(hkv, g * n, d), k[:, :past], v[:, :past], scale)
+        op, lse_p = _past_lse(qh.reshape(hkv, g * n, d), k[:, :past], v[:, :past], scale)
         op, lse_p = op.view(hkv, g, n, d), lse_p.view(hkv, g, n)
         out, lse_b = _merge(op.float(), lse_p, out.float(), lse_b)
     if prefix is not None:
@@ -115,6 +127,10 @@ class Runtime:
         self.num_layers, self.num_heads, self.num_kv_heads = m.num_layers, m.num_heads, m.num_kv_heads
         self.head_dim, self.scale, self.dtype, self.device = m.head_dim, m.scale, m.dtype, m.device
         self.vocab_size, self.eos_ids = m.vocab_size, m.eos_ids
+        if self.device.type == "cpu":
+            # built (a minute) or loaded (seconds) now, once per process, not inside a timed round or
+            # a vLLM step
+            kernels.build("dense_attention")
 
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache.empty(self.num_layers, self.num_kv_heads, self.head_dim, capacity, self.dtype, self.device)

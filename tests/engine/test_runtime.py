@@ -4,11 +4,13 @@ for every HF family the adapter takes (Llama, Qwen2 with qkv bias, Qwen3 with q/
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
-from lmcache_vericache.engine import HfModel, KVCache, Runtime, Segment
-from lmcache_vericache.engine.runtime import attend
+from lmcache_vericache.engine import HfModel, KVCache, Runtime, Segment, kernels
+from lmcache_vericache.engine.runtime import _flash_lse, attend
 
 
 def _pieces(rt: Runtime, ids: torch.Tensor, cuts: list[int]) -> torch.Tensor:
@@ -95,20 +97,22 @@ def _masked_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return torch.einsum("hns,hsd->nhd", s.masked_fill(mask, float("-inf")).softmax(-1), vr).reshape(n, -1)
 
 
-# A decode step (n = 1: the fused kernel), verify blocks, a block past 32 rows per KV head, in fp32 and
-# bf16, with and without an earlier part merged by log-sum-exp (a draft cache's packed prefix).
+# A decode step (n = 1: PyTorch's fused kernel), verify blocks (head size 64: the dense C++ kernel
+# for the part before the block, n = 1-40 rows x 3 GQA members; 16: flash), in fp32 and bf16, with
+# and without an earlier part merged by log-sum-exp (a draft cache's packed prefix).
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("n", [1, 7, 17, 40])
+@pytest.mark.parametrize("head_dim", [16, 64])
 @pytest.mark.parametrize("with_prefix", [False, True])
-def test_block_attention_equals_masked_softmax(dtype, tol, n, with_prefix):
+def test_block_attention_equals_masked_softmax(dtype, tol, n, head_dim, with_prefix):
     g = torch.Generator().manual_seed(n)
-    total, split = 300, 100  # with a prefix: entries [0, split) are the earlier part
-    q, k, v = (torch.randn(s, generator=g) for s in [(n, 6, 16), (2, total, 16), (2, total, 16)])
+    total, split, hd = 1300, 100, head_dim  # with a prefix: entries [0, split) are the earlier part
+    q, k, v = (torch.randn(s, generator=g) for s in [(n, 6, hd), (2, total, hd), (2, total, hd)])
     want = _masked_softmax_attention(q, k, v, n, 0.25)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     prefix = None
     if with_prefix:
-        qh = q.float().view(n, 2, 3, 16).permute(1, 2, 0, 3).reshape(2, 3 * n, 16)  # rows j*n + i
+        qh = q.float().view(n, 2, 3, hd).permute(1, 2, 0, 3).reshape(2, 3 * n, hd)  # rows j*n + i
         s = qh @ k[:, :split].float().transpose(-1, -2) * 0.25
         prefix = (s.softmax(-1) @ v[:, :split].float(), s.logsumexp(-1))
         k, v = k[:, split:], v[:, split:]
@@ -138,3 +142,19 @@ def test_bad_input(tiny_model):
     with pytest.raises(ValueError, match="cache full"):
         rt.forward(torch.arange(5), torch.arange(5), [Segment(c, 5)])
     assert isinstance(c, KVCache) and c.n == 0
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler: the PyTorch path is taken")
+def test_the_dense_kernel_builds_and_agrees_with_flash():
+    """Where a compiler exists the verify path really runs the kernel (a build failure would only
+    fall back to flash, and the test above would pass either way)."""
+    mod = kernels.build("dense_attention")
+    assert mod is not None
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(3, 51, 64, generator=g), torch.randn(3, 8200, 64, generator=g), torch.randn(3, 8200, 64, generator=g)
+    out, lse = mod.dense_attention(q, k.bfloat16(), v.bfloat16(), 0.125)
+    want, want_lse = _flash_lse(q, k.bfloat16().float(), v.bfloat16().float(), 0.125)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="head size 64 or 128"):
+        mod.dense_attention(torch.randn(3, 51, 32), k[..., :32].bfloat16().contiguous(), v[..., :32].bfloat16().contiguous(), 0.125)

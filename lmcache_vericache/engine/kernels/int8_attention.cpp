@@ -9,6 +9,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "common.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -16,27 +18,7 @@
 
 namespace {
 
-// exp(x) for x <= 0 from 2^x = 2^n * 2^f, with a degree-6 polynomial for 2^f on [0, 1) (relative
-// error ~2e-7): plain arithmetic the compiler vectorizes, unlike a libm call per element.
-inline float exp_nonpositive(float x) {
-  x = x < -87.f ? -87.f : x;
-  const float t = x * 1.44269504089f;
-  const float n = std::floor(t);
-  const float f = t - n;
-  float p = 1.53533e-4f;
-  p = p * f + 1.33989e-3f;
-  p = p * f + 9.61844e-3f;
-  p = p * f + 5.55033e-2f;
-  p = p * f + 2.40227e-1f;
-  p = p * f + 6.93147e-1f;
-  p = p * f + 1.0f;
-  int32_t bits;
-  std::memcpy(&bits, &p, sizeof bits);
-  bits += static_cast<int32_t>(n) << 23;
-  float r;
-  std::memcpy(&r, &bits, sizeof r);
-  return r;
-}
+using vericache::exp_nonpositive;
 
 constexpr int64_t kBlock = 16;  // tokens per key block: one AVX-512 vector of float scores
 

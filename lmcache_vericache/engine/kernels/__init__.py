@@ -1,0 +1,59 @@
+"""The package's C++ CPU kernels, compiled on first use with ``torch.utils.cpp_extension``.
+
+A C++ compiler and Python headers are needed (about a minute per kernel, cached under
+``~/.cache/torch_extensions`` per source, header and CPU flags). Where a kernel cannot be built,
+:func:`build` returns ``None`` once with a warning and callers take their PyTorch path (slower,
+same tokens). ``VERICACHE_NO_KERNELS=1`` turns every kernel off.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_DIR = Path(__file__).parent
+# Vectorized float reductions need reassociation; no -ffast-math (the kernels rely on -inf).
+_CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+           "-fno-trapping-math", "-fopenmp"]
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+@functools.cache
+def build(name: str) -> Any | None:
+    """The compiled module of ``kernels/<name>.cpp``, or ``None`` where it cannot be built."""
+    if os.environ.get("VERICACHE_NO_KERNELS"):
+        logger.info("VERICACHE_NO_KERNELS is set: %s kernel off", name)
+        return None
+    path = os.environ.get("PATH", "")
+    source = _DIR / f"{name}.cpp"
+    try:
+        from torch.utils.cpp_extension import load
+
+        # The build runs `ninja`: the pip one sits beside this interpreter, which a venv run without
+        # activation does not have on its PATH.
+        os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), path])
+        # -march=native: the build is only valid on this kind of CPU, so its flags name it.
+        parts = [source.read_bytes(), *(h.read_bytes() for h in sorted(_DIR.glob("*.h"))),
+                 " ".join(_CFLAGS).encode(), _cpu_flags().encode()]
+        tag = hashlib.sha256(b"\0".join(parts)).hexdigest()[:12]
+        return load(name=f"vericache_{name}_{tag}", sources=[str(source)], extra_cflags=_CFLAGS,
+                    extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as e:  # no compiler, no headers, a build error: fall back, say so once
+        logger.warning("%s kernel unavailable, using the PyTorch path: %s", name, e)
+        return None
+    finally:
+        os.environ["PATH"] = path
