@@ -1,6 +1,6 @@
 """The package's C++ CPU kernels, compiled on first use with ``torch.utils.cpp_extension``.
 
-A C++ compiler and Python headers are needed (about a minute per kernel, cached under
+A C++ compiler and Python headers are needed (about half a minute per kernel here, cached under
 ``~/.cache/torch_extensions`` per source, header and CPU flags). Where a kernel cannot be built,
 :func:`build` returns ``None`` once with a warning and callers take their PyTorch path (slower,
 same tokens). ``VERICACHE_NO_KERNELS=1`` turns every kernel off.
