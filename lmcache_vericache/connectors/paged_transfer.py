@@ -130,12 +130,7 @@ class PagedTransfer:
             # instead of after a share of the full chunks' too, and on a bandwidth-bound link the
             # full chunks arrive no later (the same bytes cross it either way).
             if self.draft_tokens and drafts.can_draft():  # no proposer: no compressed bytes moved
-                with self._ckv_lock:  # one at a time: loads sharing a prefix then find its chunks hot
-                    ckvs = self.store.get_compressed_prefix(self.space.token_keys(spec.prompt[:spec.stop]))
-                if ckvs:
-                    job = drafts.start(spec.req_id, spec.prompt, ckvs, self.store.compressor, len(ckvs) * c,
-                                       self.draft_tokens)
-                    self.stats.compressed_chunks += len(ckvs) if job is not None else 0
+                job = self._start_drafts(spec)
             chunks = self._fetch(spec.keys)
             blocks = torch.tensor(spec.block_ids)
             for i in range(len(spec.keys)):
@@ -161,6 +156,26 @@ class PagedTransfer:
                 self.stats.failed_blocks += len(failed)
                 self._errors.update(failed)
             self._finished.add(spec.req_id)
+
+    def _start_drafts(self, spec: LoadSpec) -> drafts.DraftJob | None:
+        """A draft job over the request's compressed chunks, or ``None``. Drafting is an
+        optimisation: a failure here (a compressed chunk the drafter cannot use) is logged and the
+        load goes on, it must never fail the full load."""
+        try:
+            with self._ckv_lock:  # one at a time: loads sharing a prefix then find its chunks hot
+                ckvs = self.store.get_compressed_prefix(self.space.token_keys(spec.prompt[:spec.stop]))
+            if not ckvs:
+                return None
+            job = drafts.start(spec.req_id, spec.prompt, ckvs, self.store.compressor, len(ckvs) * self.chunk_size,
+                               self.draft_tokens)
+        except Exception as e:
+            logger.warning("vericache connector: no drafts during the load of %s (%s: %s)", spec.req_id,
+                           type(e).__name__, e)
+            return None
+        if job is not None:
+            with self._lock:
+                self.stats.compressed_chunks += len(ckvs)
+        return job
 
     def _fetch(self, keys: list[str]) -> list[Future]:
         """Full chunks of ``keys`` as futures, read once for all loads in flight: requests sharing a

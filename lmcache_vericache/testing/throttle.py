@@ -78,6 +78,7 @@ class ThrottledLink:
             except OSError:
                 client.close()
                 continue
+            upstream.settimeout(None)  # the timeout is for the connect: an idle connection stays open
             with self._lock:
                 self._socks |= {client, upstream}
             for src, dst, d in ((client, upstream, 0), (upstream, client, 1)):
