@@ -28,3 +28,18 @@ def test_link_passes_bytes_at_its_rate_and_cut_fails_clients(redis_server):
         link.cut()
         with pytest.raises(redis.exceptions.ConnectionError):
             client.get("k")
+
+
+def test_an_idle_connection_stays_open(redis_server):
+    """A slow link is not a lossy one: a connection idle for longer than the proxy's connect timeout
+    (5 s) still carries the next command (the proxy once dropped it, so a pooled client's next
+    lookup could race a reset)."""
+    import socket
+
+    with ThrottledLink(redis_server.port, rate=8 << 20) as link:
+        with socket.create_connection(("127.0.0.1", link.port), timeout=10) as s:
+            s.sendall(b"PING\r\n")
+            assert s.recv(16) == b"+PONG\r\n"
+            time.sleep(5.5)
+            s.sendall(b"PING\r\n")
+            assert s.recv(16) == b"+PONG\r\n"
