@@ -147,14 +147,35 @@ def test_bad_input(tiny_model):
 @pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler: the PyTorch path is taken")
 def test_the_dense_kernel_builds_and_agrees_with_flash():
     """Where a compiler exists the verify path really runs the kernel (a build failure would only
-    fall back to flash, and the test above would pass either way)."""
+    fall back to flash, and the test above would pass either way). fp32 caches: flash's result to
+    fp32 rounding. bf16 caches on an AVX512-BF16 CPU (``dpbf16``: q and the probabilities rounded to
+    bf16, as in a bf16 flash kernel): no further from the exact float64 result than PyTorch's own
+    bf16 flash is; elsewhere the fp32 arithmetic of the fp32 path."""
     mod = kernels.build("dense_attention")
     assert mod is not None
     g = torch.Generator().manual_seed(1)
-    q, k, v = torch.randn(3, 51, 64, generator=g), torch.randn(3, 8200, 64, generator=g), torch.randn(3, 8200, 64, generator=g)
-    out, lse = mod.dense_attention(q, k.bfloat16(), v.bfloat16(), 0.125)
-    want, want_lse = _flash_lse(q, k.bfloat16().float(), v.bfloat16().float(), 0.125)
-    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+    for d, s in ((64, 8201), (128, 1023)):  # an odd last tile: the bf16 path pairs tokens
+        q = torch.randn(3, 51, d, generator=g).bfloat16().float()  # a bf16 model's q is bf16
+        k, v = torch.randn(3, s, d, generator=g), torch.randn(3, s, d, generator=g)
+        scale = d ** -0.5
+        out, lse = mod.dense_attention(q, k, v, scale)
+        want, want_lse = _flash_lse(q, k, v, scale)
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+
+        kb, vb = k.bfloat16(), v.bfloat16()
+        scores = q.double() @ kb.double().transpose(-1, -2) * scale
+        exact_lse = scores.logsumexp(-1)
+        exact = (scores - exact_lse[..., None]).exp() @ vb.double()
+        flash, flash_lse = _flash_lse(q.bfloat16(), kb, vb, scale)
+        for dp in (True, False) if mod.dpbf16 else (False,):
+            out, lse = mod.dense_attention(q, kb, vb, scale, dpbf16=dp)
+            if dp:
+                assert (out.double() - exact).abs().max() <= (flash.double() - exact).abs().max()
+                assert (lse.double() - exact_lse).abs().max() <= max((flash_lse.double() - exact_lse).abs().max(), 1e-6)
+            else:
+                torch.testing.assert_close(out.double(), exact, atol=1e-5, rtol=1e-4)
+                torch.testing.assert_close(lse.double(), exact_lse, atol=1e-5, rtol=1e-5)
+    k, v = torch.randn(3, 700, 64, generator=g), torch.randn(3, 700, 64, generator=g)
     with pytest.raises(RuntimeError, match="head size 64 or 128"):
         mod.dense_attention(torch.randn(3, 51, 32), k[..., :32].bfloat16().contiguous(), v[..., :32].bfloat16().contiguous(), 0.125)

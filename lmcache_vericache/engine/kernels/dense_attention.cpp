@@ -1,4 +1,4 @@
-// Attention of a block of query rows over a dense bf16 / fp32 KV cache (see engine/dense_attention.py).
+// Attention of a block of query rows over a dense bf16 / fp32 KV cache (used by engine/runtime.py).
 //
 // q [H, m, D] float32 (m rows per KV head: GQA group x verify-block tokens), k / v [H, S, D] in the
 // cache's dtype (any head stride; tokens contiguous by D). Returns out [H, m, D] float32 =
@@ -6,6 +6,11 @@
 // caller handles the block's causal part. Each K/V row is read once for all m rows (a verify reads
 // the bytes of one decode step), the work is split over (head, tile of tokens) and the tiles are
 // merged by log-sum-exp. PyTorch's CPU flash kernel runs these shapes at ~36 GFLOPS here.
+//
+// On CPUs with AVX512-BF16 a bf16 cache takes tile_dp: q k^T and p v as bf16 pair dot products
+// (vdpbf16ps, fp32 accumulation) straight from the cache's bytes, with q and the probabilities
+// rounded to bf16 as a bf16 flash kernel does (q of a bf16 model is bf16 already: the scale is
+// applied to the fp32 scores). Elsewhere, and for fp32 caches, tile converts to fp32 and uses FMAs.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -14,7 +19,15 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define VERICACHE_DPBF16 1
+#else
+#define VERICACHE_DPBF16 0
+#endif
 
 namespace {
 
@@ -87,17 +100,122 @@ void tile(const float* __restrict__ qt, int64_t m, int64_t mp, const T* __restri
   }
 }
 
+#if VERICACHE_DPBF16
+// fp32 -> bf16 bits, round to nearest even (finite inputs: scores' probabilities, q).
+typedef uint32_t u16x __attribute__((vector_size(64)));
+inline u16x bf16_bits(v16 x) {
+  u16x b;
+  std::memcpy(&b, &x, sizeof b);
+  return (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+}
+
+// tile for a bf16 cache with vdpbf16ps. qp is [D/2, mp] words of bf16 pairs (q[i][2e], q[i][2e+1]),
+// unscaled; p is a [ceil(nt/2), mp] scratch of bf16 probability pairs (p[t][i], p[t+1][i]).
+template <int D>
+void tile_dp(const uint32_t* __restrict__ qp, int64_t m, int64_t mp, const at::BFloat16* __restrict__ k,
+             const at::BFloat16* __restrict__ v, int64_t nt, float scale, float* __restrict__ s,
+             uint32_t* __restrict__ p, float* __restrict__ mx, float* __restrict__ sum, float* __restrict__ o) {
+  const uint16_t* kb = reinterpret_cast<const uint16_t*>(k);
+  const uint16_t* vb = reinterpret_cast<const uint16_t*>(v);
+  const __m512 vscale = _mm512_set1_ps(scale);
+  // scores: kTok tokens share each q pair vector; a token's (k[2e], k[2e+1]) is one 32-bit word
+  for (int64_t t = 0; t < nt; t += kTok) {
+    const int64_t nu = std::min<int64_t>(kTok, nt - t);
+    for (int64_t ib = 0; ib < mp; ib += kRows) {
+      __m512 acc[kTok];
+      for (int u = 0; u < kTok; ++u) acc[u] = _mm512_setzero_ps();
+      for (int e = 0; e < D / 2; ++e) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(qp + e * mp + ib);
+        for (int u = 0; u < kTok; ++u) {
+          const int64_t tu = t + std::min<int64_t>(u, nu - 1);  // past nt: a repeat, never stored
+          uint32_t word;
+          std::memcpy(&word, kb + tu * D + 2 * e, sizeof word);
+          acc[u] = _mm512_dpbf16_ps(acc[u], qv, (__m512bh)_mm512_set1_epi32(static_cast<int>(word)));
+        }
+      }
+      for (int u = 0; u < nu; ++u) _mm512_storeu_ps(s + (t + u) * mp + ib, _mm512_mul_ps(acc[u], vscale));
+    }
+  }
+  // softmax numerators (fp32), their sums, then the probabilities as bf16 token pairs
+  for (int64_t i = 0; i < mp; ++i) mx[i] = -INFINITY, sum[i] = 0.f;
+  for (int64_t t = 0; t < nt; ++t)
+    for (int64_t i = 0; i < mp; ++i) mx[i] = std::max(mx[i], s[t * mp + i]);
+  for (int64_t t = 0; t < nt; ++t)
+    for (int64_t i = 0; i < mp; ++i) {
+      const float e = exp_nonpositive(s[t * mp + i] - mx[i]);
+      s[t * mp + i] = e;
+      sum[i] += e;
+    }
+  for (int64_t t = 0; t < nt; t += 2)
+    for (int64_t ib = 0; ib < mp; ib += kRows) {
+      const u16x lo = bf16_bits(load16(s + t * mp + ib));
+      const u16x hi = t + 1 < nt ? bf16_bits(load16(s + (t + 1) * mp + ib)) : u16x{};
+      const u16x w = lo | (hi << 16);
+      std::memcpy(p + (t / 2) * mp + ib, &w, sizeof w);
+    }
+  // o = p v: rows r of a block, V rows t and t+1 interleaved into bf16 pairs. unpacklo/hi work per
+  // 128-bit lane, so accumulator j of a 32-wide piece holds dim 8 (j / 4) + j % 4 (lo) or that + 4
+  // (hi); the order is undone once per row at the end.
+  constexpr int kPieces = D / 32, kR = D == 64 ? 4 : 2;  // 2 * kPieces * kR = 16 accumulators
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t ib = 0; ib < m; ib += kR) {
+    __m512 acc[kR][2 * kPieces];
+    for (int r = 0; r < kR; ++r)
+      for (int j = 0; j < 2 * kPieces; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < nt; t += 2) {
+      __m512bh vv[2 * kPieces];
+      for (int c = 0; c < kPieces; ++c) {
+        const __m512i a = _mm512_loadu_si512(vb + t * D + 32 * c);
+        const __m512i b = t + 1 < nt ? _mm512_loadu_si512(vb + (t + 1) * D + 32 * c) : zero;
+        vv[2 * c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+        vv[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+      }
+      const uint32_t* __restrict__ pt = p + (t / 2) * mp + ib;  // rows past m: padded, discarded
+      for (int r = 0; r < kR; ++r) {
+        const __m512bh pr = (__m512bh)_mm512_set1_epi32(static_cast<int>(pt[r]));
+        for (int j = 0; j < 2 * kPieces; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], vv[j], pr);
+      }
+    }
+    for (int64_t r = 0; r < std::min<int64_t>(kR, m - ib); ++r) {
+      float* __restrict__ orow = o + (ib + r) * D;
+      for (int c = 0; c < kPieces; ++c) {
+        float lo[16], hi[16];
+        _mm512_storeu_ps(lo, acc[r][2 * c]);
+        _mm512_storeu_ps(hi, acc[r][2 * c + 1]);
+        for (int j = 0; j < 16; ++j) {
+          orow[32 * c + 8 * (j / 4) + j % 4] = lo[j];
+          orow[32 * c + 8 * (j / 4) + 4 + j % 4] = hi[j];
+        }
+      }
+    }
+  }
+}
+#endif
+
 template <typename T, int D>
-std::vector<torch::Tensor> run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, float scale) {
+std::vector<torch::Tensor> run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, float scale,
+                               bool use_dp) {
   const int64_t H = q.size(0), m = q.size(1), S = k.size(1);
   const int64_t mp = (m + kRows - 1) / kRows * kRows;  // rows padded (a multiple of kOutRows too)
   const int64_t tiles = (S + kTile - 1) / kTile;
-  // q transposed to [H, D, mp], scaled, zero-padded
-  std::vector<float> qt(static_cast<size_t>(H * D * mp), 0.f);
+  const bool dp = VERICACHE_DPBF16 && std::is_same_v<T, at::BFloat16> && use_dp;
   const float* qp = q.data_ptr<float>();
+  // q transposed to [H, D, mp], zero-padded: fp32 and scaled, or (dp) bf16 pairs [H, D/2, mp], unscaled
+  std::vector<float> qt(dp ? 0 : static_cast<size_t>(H * D * mp), 0.f);
+  std::vector<uint32_t> qpairs(dp ? static_cast<size_t>(H * D / 2 * mp) : 0, 0u);
   for (int64_t h = 0; h < H; ++h)
     for (int64_t i = 0; i < m; ++i)
-      for (int d = 0; d < D; ++d) qt[(h * D + d) * mp + i] = qp[(h * m + i) * D + d] * scale;
+      for (int d = 0; d < D; ++d) {
+        const float x = qp[(h * m + i) * D + d];
+        if (dp) {
+          uint32_t b;
+          std::memcpy(&b, &x, sizeof b);
+          b = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+          qpairs[(h * D / 2 + d / 2) * mp + i] |= b << (16 * (d % 2));
+        } else {
+          qt[(h * D + d) * mp + i] = x * scale;
+        }
+      }
   std::vector<float> part_mx(static_cast<size_t>(H * tiles * mp)), part_sum(part_mx.size());
   std::vector<float> part_o(static_cast<size_t>(H * tiles * m * D));
   const T* kp = k.data_ptr<T>();
@@ -105,10 +223,23 @@ std::vector<torch::Tensor> run(const torch::Tensor& q, const torch::Tensor& k, c
   const int64_t ks = k.stride(0), vs = v.stride(0);
   at::parallel_for(0, H * tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s(static_cast<size_t>(kTile * mp));
+    std::vector<uint32_t> p(dp ? static_cast<size_t>(kTile / 2 * mp) : 0);
     for (int64_t w = begin; w < end; ++w) {
       const int64_t h = w / tiles, t0 = (w % tiles) * kTile, nt = std::min(kTile, S - t0);
-      tile<T, D>(qt.data() + h * D * mp, m, mp, kp + h * ks + t0 * D, vp + h * vs + t0 * D, nt, s.data(),
-                 part_mx.data() + w * mp, part_sum.data() + w * mp, part_o.data() + w * m * D);
+      float* mxw = part_mx.data() + w * mp;
+      float* sumw = part_sum.data() + w * mp;
+      float* ow = part_o.data() + w * m * D;
+#if VERICACHE_DPBF16
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        if (dp) {
+          tile_dp<D>(qpairs.data() + h * D / 2 * mp, m, mp, kp + h * ks + t0 * D, vp + h * vs + t0 * D, nt, scale,
+                     s.data(), p.data(), mxw, sumw, ow);
+          continue;
+        }
+      }
+#endif
+      tile<T, D>(qt.data() + h * D * mp, m, mp, kp + h * ks + t0 * D, vp + h * vs + t0 * D, nt, s.data(), mxw,
+                 sumw, ow);
     }
   });
   auto out = torch::empty({H, m, D}, q.options());
@@ -137,7 +268,7 @@ std::vector<torch::Tensor> run(const torch::Tensor& q, const torch::Tensor& k, c
 
 }  // namespace
 
-std::vector<torch::Tensor> dense_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
+std::vector<torch::Tensor> dense_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, bool dpbf16) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && q.is_contiguous() && q.dim() == 3, "q must be contiguous float32 [H, m, D]");
   TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() && k.dtype() == v.dtype(), "k, v must be [H, S, D] alike");
   const int64_t H = q.size(0), D = q.size(2);
@@ -146,15 +277,17 @@ std::vector<torch::Tensor> dense_attention(torch::Tensor q, torch::Tensor k, tor
               "k, v must have contiguous tokens of D elements");
   const float sc = static_cast<float>(scale);
   if (k.dtype() == torch::kBFloat16) {
-    if (D == 64) return run<at::BFloat16, 64>(q, k, v, sc);
-    if (D == 128) return run<at::BFloat16, 128>(q, k, v, sc);
+    if (D == 64) return run<at::BFloat16, 64>(q, k, v, sc, dpbf16);
+    if (D == 128) return run<at::BFloat16, 128>(q, k, v, sc, dpbf16);
   } else if (k.dtype() == torch::kFloat32) {
-    if (D == 64) return run<float, 64>(q, k, v, sc);
-    if (D == 128) return run<float, 128>(q, k, v, sc);
+    if (D == 64) return run<float, 64>(q, k, v, sc, false);
+    if (D == 128) return run<float, 128>(q, k, v, sc, false);
   }
   TORCH_CHECK(false, "dense_attention: bf16 / fp32 with head size 64 or 128 only");
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("dense_attention", &dense_attention, "attention of a block of query rows over a dense KV cache");
+  m.def("dense_attention", &dense_attention, "attention of a block of query rows over a dense KV cache",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("dpbf16") = true);
+  m.attr("dpbf16") = static_cast<bool>(VERICACHE_DPBF16);  // bf16 caches can use vdpbf16ps (tile_dp)
 }
