@@ -12,9 +12,11 @@ an HF ``*ForCausalLM`` or vLLM's module); this loop owns everything about the KV
   (staggering) in the same pass;
 * attention needs no materialized mask: a 1-token step attends to the whole cache; a block of n
   tokens attends to the cache before it (flash kernel, with log-sum-exp) and causally to itself
-  (a small n x n product), and the two parts are merged by log-sum-exp. On a CPU, a verify block's
-  part before it runs in the package's C++ kernel (``kernels/dense_attention.cpp``: each K/V row
-  read once for all the block's rows), 1.6-1.8x faster than PyTorch's flash kernel at 8k entries.
+  (a small n x n product), and the two parts are merged by log-sum-exp. On a CPU both a 1-token
+  step and a block's part before it run in the package's C++ kernel (``kernels/dense_attention.cpp``:
+  each K/V row read once for all rows of its KV head), 2-5x PyTorch's flash kernel at 8k entries
+  of DRAM-resident KV (the flash kernel splits a decode step's 3 rows per KV head over too few
+  work items); full-KV decoding, the baseline of every benchmark, uses it too.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from . import int8_attention, kernels, kvfetch
 from .cache import KVCache
@@ -54,9 +55,11 @@ def _flash_lse(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, T
 
 
 def _past_lse(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """:func:`_flash_lse` of a verify block's rows over the entries before it: the dense kernel where
-    it applies (CPU, bf16/fp32, head size 64/128, 16-128 rows per KV head), flash otherwise."""
-    if (q.device.type == "cpu" and 16 <= q.shape[1] <= 128 and k.dtype in (torch.bfloat16, torch.float32)
+    """:func:`_flash_lse` of query rows over dense entries (a decode token's GQA group, a verify
+    block's rows over the entries before it): the dense kernel where it applies (CPU, bf16/fp32,
+    head size 64/128, 1-128 rows per KV head; 2-5x the flash kernel on DRAM-resident KV,
+    ``benchmarks/attention.py``), flash otherwise."""
+    if (q.device.type == "cpu" and 1 <= q.shape[1] <= 128 and k.dtype in (torch.bfloat16, torch.float32)
             and k.shape[-1] in (64, 128) and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1]
             and (mod := kernels.build("dense_attention")) is not None):
         return tuple(mod.dense_attention(q.float().contiguous(), k, v, scale))  # type: ignore[return-value]
@@ -72,13 +75,11 @@ def attend(q: Tensor, k: Tensor, v: Tensor, n: int, scale: float,
     hkv, total, d = k.shape
     g = q.shape[1] // hkv
     qh = q.view(n, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, g, n, D]: query head = kv_head*g + j
-    if n == 1 and prefix is None:
-        # A single new token sees every cached entry: no mask at all, fused kernel, GQA groups as rows.
-        out = F.scaled_dot_product_attention(qh.reshape(1, hkv, g, d), k[None], v[None], scale=scale)
-        return out.reshape(1, hkv * g * d)
     if n == 1:
-        out, lse = _flash_lse(qh.reshape(hkv, g, d), k, v, scale)
-        out, lse = _merge(out.float(), lse, *prefix)
+        # A single new token sees every cached entry: no mask at all, GQA groups as rows.
+        out, lse = _past_lse(qh.reshape(hkv, g, d), k, v, scale)
+        if prefix is not None:
+            out, lse = _merge(out.float(), lse, *prefix)
         return out.to(v.dtype).reshape(1, hkv * g * d)
     past = total - n
     kb, vb = k[:, past:], v[:, past:]
