@@ -1,9 +1,9 @@
-"""The verify block's attention over the entries before it, per path: PyTorch's CPU flash kernel
+"""Attention of a decode token or verify block over the entries before it, per path: PyTorch's CPU flash kernel
 (the baseline, same run) against the package's dense kernel (`engine/kernels/dense_attention.cpp`)
 with fp32 arithmetic and, on CPUs with AVX512-BF16, with bf16 pair dot products (`dpbf16`).
 
 Shapes are SmolLM2-135M's (3 KV heads, head size 64, 3 query heads per KV head) at a verify block of
-``--block`` tokens (51 rows per KV head for 17). The KV is DRAM-resident, not cache-hot: each call
+``--block`` tokens (51 rows per KV head for 17; ``--block 1``: a decode step). The KV is DRAM-resident, not cache-hot: each call
 reads one of ``--caches`` distinct caches in turn (8k entries of bf16 KV are 6 MB per layer, the
 L2/L3 caches hold a few), and the paths are interleaved call by call so machine noise hits them
 alike. Prints a line per context and saves JSON (medians, ratio against flash, CPU flags).
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     for name in ("block", "heads", "caches", "reps"):
         if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+            p.error(f"--{name} must be >= 1")
     if min(args.contexts) < 1:
         p.error("--contexts must be >= 1")
     if args.threads:

@@ -11,7 +11,7 @@ an HF ``*ForCausalLM`` or vLLM's module); this loop owns everything about the KV
   A batch can therefore mix 1-token draft steps of some requests with the verify blocks of others
   (staggering) in the same pass;
 * attention needs no materialized mask: a 1-token step attends to the whole cache; a block of n
-  tokens attends to the cache before it (flash kernel, with log-sum-exp) and causally to itself
+  tokens attends to the cache before it (with its log-sum-exp) and causally to itself
   (a small n x n product), and the two parts are merged by log-sum-exp. On a CPU both a 1-token
   step and a block's part before it run in the package's C++ kernel (``kernels/dense_attention.cpp``:
   each K/V row read once for all rows of its KV head), 2-5x PyTorch's flash kernel at 8k entries
@@ -54,7 +54,7 @@ def _flash_lse(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, T
     return ((s - lse[..., None]).exp().to(v.dtype) @ v), lse
 
 
-def _past_lse(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+def _dense_lse(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """:func:`_flash_lse` of query rows over dense entries (a decode token's GQA group, a verify
     block's rows over the entries before it): the dense kernel where it applies (CPU, bf16/fp32,
     head size 64/128, 1-128 rows per KV head; 2-5x the flash kernel on DRAM-resident KV,
@@ -77,7 +77,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, n: int, scale: float,
     qh = q.view(n, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, g, n, D]: query head = kv_head*g + j
     if n == 1:
         # A single new token sees every cached entry: no mask at all, GQA groups as rows.
-        out, lse = _past_lse(qh.reshape(hkv, g, d), k, v, scale)
+        out, lse = _dense_lse(qh.reshape(hkv, g, d), k, v, scale)
         if prefix is not None:
             out, lse = _merge(out.float(), lse, *prefix)
         return out.to(v.dtype).reshape(1, hkv * g * d)
@@ -88,7 +88,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, n: int, scale: float,
     lse_b = s.logsumexp(-1)
     out = (s - lse_b[..., None]).exp().to(vb.dtype) @ vb[:, None]  # [Hkv, g, n, D]
     if past:
-        op, lse_p = _past_lse(qh.reshape(hkv, g * n, d), k[:, :past], v[:, :past], scale)
+        op, lse_p = _dense_lse(qh.reshape(hkv, g * n, d), k[:, :past], v[:, :past], scale)
         op, lse_p = op.view(hkv, g, n, d), lse_p.view(hkv, g, n)
         out, lse_b = _merge(op.float(), lse_p, out.float(), lse_b)
     if prefix is not None:

@@ -97,9 +97,9 @@ def _masked_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return torch.einsum("hns,hsd->nhd", s.masked_fill(mask, float("-inf")).softmax(-1), vr).reshape(n, -1)
 
 
-# A decode step (n = 1: PyTorch's fused kernel), verify blocks (head size 64: the dense C++ kernel
-# for the part before the block, n = 1-40 rows x 3 GQA members; 16: flash), in fp32 and bf16, with
-# and without an earlier part merged by log-sum-exp (a draft cache's packed prefix).
+# A decode step (n = 1) and verify blocks (head size 64: the dense C++ kernel for the entries before
+# the token or block, 3-120 rows per KV head; 16: flash), in fp32 and bf16, with and without an
+# earlier part merged by log-sum-exp (a draft cache's packed prefix).
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("n", [1, 7, 17, 40])
 @pytest.mark.parametrize("head_dim", [16, 64])

@@ -3,6 +3,7 @@ cut link fails its clients (what the connector's fault tests and remote_prefix b
 
 from __future__ import annotations
 
+import socket
 import time
 
 import pytest
@@ -34,8 +35,6 @@ def test_an_idle_connection_stays_open(redis_server):
     """A slow link is not a lossy one: a connection idle for longer than the proxy's connect timeout
     (5 s) still carries the next command (the proxy once dropped it, so a pooled client's next
     lookup could race a reset)."""
-    import socket
-
     with ThrottledLink(redis_server.port, rate=8 << 20) as link:
         with socket.create_connection(("127.0.0.1", link.port), timeout=10) as s:
             s.sendall(b"PING\r\n")

@@ -1,11 +1,12 @@
-// Attention of a block of query rows over a dense bf16 / fp32 KV cache (used by engine/runtime.py).
+// Attention of query rows over a dense bf16 / fp32 KV cache (engine/runtime.py: a decode token's GQA
+// group over the whole cache, a verify block's rows over the entries before the block).
 //
-// q [H, m, D] float32 (m rows per KV head: GQA group x verify-block tokens), k / v [H, S, D] in the
+// q [H, m, D] float32 (m rows per KV head: GQA group x block tokens), k / v [H, S, D] in the
 // cache's dtype (any head stride; tokens contiguous by D). Returns out [H, m, D] float32 =
 // softmax(scale q k^T) v and lse [H, m] (natural log-sum-exp of the scaled scores), unmasked: the
 // caller handles the block's causal part. Each K/V row is read once for all m rows (a verify reads
 // the bytes of one decode step), the work is split over (head, tile of tokens) and the tiles are
-// merged by log-sum-exp. PyTorch's CPU flash kernel runs these shapes at ~36 GFLOPS here.
+// merged by log-sum-exp (benchmarks/attention.py measures it against PyTorch's CPU flash kernel).
 //
 // On CPUs with AVX512-BF16 a bf16 cache takes tile_dp: q k^T and p v as bf16 pair dot products
 // (vdpbf16ps, fp32 accumulation) straight from the cache's bytes, with q and the probabilities
@@ -52,6 +53,28 @@ typedef float v16 __attribute__((vector_size(64)));
 inline v16 load16(const float* p) { v16 r; std::memcpy(&r, p, sizeof r); return r; }
 inline void store16(float* p, v16 x) { std::memcpy(p, &x, sizeof x); }
 
+// Scores s [nt, mp] (token-major) -> softmax numerators exp(s - max) in place, with each row's max
+// and sum; vectorized across rows.
+inline void softmax_numerators(float* __restrict__ s, int64_t nt, int64_t mp, float* __restrict__ mx,
+                               float* __restrict__ sum) {
+  for (int64_t i = 0; i < mp; ++i) mx[i] = -INFINITY, sum[i] = 0.f;
+  for (int64_t t = 0; t < nt; ++t)
+    for (int64_t i = 0; i < mp; ++i) mx[i] = std::max(mx[i], s[t * mp + i]);
+  for (int64_t t = 0; t < nt; ++t)
+    for (int64_t i = 0; i < mp; ++i) {
+      const float e = exp_nonpositive(s[t * mp + i] - mx[i]);
+      s[t * mp + i] = e;
+      sum[i] += e;
+    }
+}
+
+// fp32 -> bf16 bits, rounded to nearest even (finite inputs: q, probabilities).
+inline uint32_t bf16_bits(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, sizeof b);
+  return (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+}
+
 // One (head, tile): scores s [nt, mp] (token-major, rows padded to mp), then per-row max / sum
 // and the unnormalized output o [m, D].
 template <typename T, int D>
@@ -72,16 +95,7 @@ void tile(const float* __restrict__ qt, int64_t m, int64_t mp, const T* __restri
       for (int u = 0; u < nu; ++u) store16(s + (t + u) * mp + ib, acc[u]);
     }
   }
-  // softmax numerators, vectorized across rows
-  for (int64_t i = 0; i < mp; ++i) mx[i] = -INFINITY, sum[i] = 0.f;
-  for (int64_t t = 0; t < nt; ++t)
-    for (int64_t i = 0; i < mp; ++i) mx[i] = std::max(mx[i], s[t * mp + i]);
-  for (int64_t t = 0; t < nt; ++t)
-    for (int64_t i = 0; i < mp; ++i) {
-      const float e = exp_nonpositive(s[t * mp + i] - mx[i]);
-      s[t * mp + i] = e;
-      sum[i] += e;
-    }
+  softmax_numerators(s, nt, mp, mx, sum);
   // o = p v, kOutRows rows at a time with their D / 16 accumulators each in registers
   constexpr int kV = D / 16;
   for (int64_t ib = 0; ib < m; ib += kOutRows) {
@@ -101,7 +115,7 @@ void tile(const float* __restrict__ qt, int64_t m, int64_t mp, const T* __restri
 }
 
 #if VERICACHE_DPBF16
-// fp32 -> bf16 bits, round to nearest even (finite inputs: scores' probabilities, q).
+// bf16_bits of 16 floats.
 typedef uint32_t u16x __attribute__((vector_size(64)));
 inline u16x bf16_bits(v16 x) {
   u16x b;
@@ -136,16 +150,8 @@ void tile_dp(const uint32_t* __restrict__ qp, int64_t m, int64_t mp, const at::B
       for (int u = 0; u < nu; ++u) _mm512_storeu_ps(s + (t + u) * mp + ib, _mm512_mul_ps(acc[u], vscale));
     }
   }
-  // softmax numerators (fp32), their sums, then the probabilities as bf16 token pairs
-  for (int64_t i = 0; i < mp; ++i) mx[i] = -INFINITY, sum[i] = 0.f;
-  for (int64_t t = 0; t < nt; ++t)
-    for (int64_t i = 0; i < mp; ++i) mx[i] = std::max(mx[i], s[t * mp + i]);
-  for (int64_t t = 0; t < nt; ++t)
-    for (int64_t i = 0; i < mp; ++i) {
-      const float e = exp_nonpositive(s[t * mp + i] - mx[i]);
-      s[t * mp + i] = e;
-      sum[i] += e;
-    }
+  // softmax numerators (fp32) and their sums, then the probabilities as bf16 token pairs
+  softmax_numerators(s, nt, mp, mx, sum);
   for (int64_t t = 0; t < nt; t += 2)
     for (int64_t ib = 0; ib < mp; ib += kRows) {
       const u16x lo = bf16_bits(load16(s + t * mp + ib));
@@ -208,10 +214,7 @@ std::vector<torch::Tensor> run(const torch::Tensor& q, const torch::Tensor& k, c
       for (int d = 0; d < D; ++d) {
         const float x = qp[(h * m + i) * D + d];
         if (dp) {
-          uint32_t b;
-          std::memcpy(&b, &x, sizeof b);
-          b = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
-          qpairs[(h * D / 2 + d / 2) * mp + i] |= b << (16 * (d % 2));
+          qpairs[(h * D / 2 + d / 2) * mp + i] |= bf16_bits(x) << (16 * (d % 2));
         } else {
           qt[(h * D + d) * mp + i] = x * scale;
         }
