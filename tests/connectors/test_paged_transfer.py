@@ -1,0 +1,60 @@
+"""PagedTransfer loads from a real dual-tier store into paged caches in vLLM's CPU layout."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+
+from lmcache_vericache import compressors
+from lmcache_vericache.backends.keys import KeySpace
+from lmcache_vericache.backends.store import DualTierStore
+from lmcache_vericache.backends.tiers.memory import MemoryTier
+from lmcache_vericache.connectors import drafts
+from lmcache_vericache.connectors import paged_layout as pl
+from lmcache_vericache.connectors.paged_transfer import ConnectorStats, LoadSpec, PagedTransfer
+from lmcache_vericache.engine import Runtime
+
+pytest.importorskip("vllm._custom_ops")  # the layout probe runs vLLM's cache-write op
+LAYERS, HEADS, HEAD, BLOCK, CHUNK = 2, 2, 64, 16, 32
+
+
+def test_a_drafting_failure_does_not_fail_the_load(tiny_model, caplog):
+    """The registered drafter cannot take these chunks (its model has head size 16, the chunks 64):
+    drafting fails for real, the full chunks still load, every position exact, no block reported
+    failed (a failed draft once failed the whole load and vLLM recomputed the prefix)."""
+    g = torch.Generator().manual_seed(0)
+    store = DualTierStore(compressors.get("int8"), MemoryTier(1 << 30), num_kv_heads=HEADS)
+    space = KeySpace(model="test", dtype="float32", chunk_size=CHUNK, compressor=store.compressor.name)
+    prompt = torch.randint(0, 256, (2 * CHUNK + 5,), generator=g).tolist()
+    keys = space.token_keys(prompt[:2 * CHUNK])
+    fulls = [torch.randn(2, LAYERS, CHUNK, HEADS * HEAD, generator=g) for _ in keys]
+    for i, (key, full) in enumerate(zip(keys, fulls)):
+        store.put(key, full, start=i * CHUNK)
+    caches = [torch.zeros(8, HEADS, BLOCK, 2 * HEAD) for _ in range(LAYERS)]
+    stats = ConnectorStats()
+    transfer = PagedTransfer(store, space, CHUNK, BLOCK, caches, lambda: ["vec"] * LAYERS, draft_tokens=8,
+                             load_timeout_s=30, stats=stats)
+    blocks = [5, 2, 7, 0, 3]  # 69 positions, not in order
+    drafts.register(Runtime(tiny_model))
+    try:
+        with caplog.at_level(logging.WARNING):
+            transfer.load(LoadSpec("r", keys, blocks, 0, 2 * CHUNK, prompt))
+            deadline = time.monotonic() + 30
+            while "r" not in transfer.take_finished():
+                assert time.monotonic() < deadline, "the load never finished"
+                time.sleep(0.01)
+    finally:
+        drafts.register(None)
+        transfer.close()
+        store.close()
+    assert "no drafts during the load of r" in caplog.text
+    assert transfer.take_errors() == set()
+    assert (stats.loads, stats.loaded_chunks, stats.failed_chunks, stats.compressed_chunks) == (1, 2, 0, 0)
+    slots = pl.slots_for(torch.tensor(blocks), 0, 2 * CHUNK, BLOCK)
+    for li, cache in enumerate(caches):
+        k, v = pl.gather(cache, pl.layout_for(cache, "vec"), slots)
+        want = torch.cat(fulls, dim=2)[:, li].view(2, 2 * CHUNK, HEADS, HEAD).transpose(1, 2)
+        assert torch.equal(k, want[0]) and torch.equal(v, want[1])
