@@ -60,6 +60,7 @@ class StoreStats:
     cancelled: int = 0
     bytes_written: int = 0
     bytes_read: int = 0  # from the capacity tier
+    tier_errors: int = 0  # capacity-tier reads / checks that failed for I/O (misses, not absences)
 
 
 class PrefetchHandle:
@@ -458,7 +459,7 @@ class DualTierStore:
     @property
     def stats(self) -> StoreStats:
         with self._lock:
-            return dataclasses.replace(self._stats)
+            return dataclasses.replace(self._stats, tier_errors=self.capacity.io_errors)
 
     def _count(self, **deltas: int) -> None:
         with self._lock:

@@ -1,3 +1,28 @@
-"""vLLM integration: the compressed-KV drafting proposer (``--speculative-config``) and the
-paged-cache layout helpers it reads vLLM's KV with. The KV connector side reuses LMCache's MP
-connector with this package's L2 adapter (``lmcache_vericache.backends.lmcache.l2_adapter``)."""
+"""vLLM integration: the KV connector (:mod:`.vericache_connector`, the dual-tier store on vLLM's
+data path), the compressed-KV drafting proposer (:mod:`.proposer`, ``--speculative-config``) and
+the paged-cache layout helpers both read vLLM's KV with (:mod:`.paged_layout`)."""
+
+from __future__ import annotations
+
+import logging
+
+
+class _ToVllmLog(logging.Handler):
+    """Hands each record to vLLM's ``vllm`` logger, whatever handlers vLLM configures later."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger("vllm").handle(record)
+
+
+def _show_package_logs_in_vllm() -> None:
+    """The host-independent loggers (``lmcache_vericache.*``: store, tiers) through vLLM's log, so
+    a tier's failed reads show in it with their level and file (without a handler Python prints
+    bare messages to stderr). Left alone if the application configured logging itself."""
+    pkg = logging.getLogger("lmcache_vericache")
+    if logging.getLogger().handlers or any(isinstance(h, _ToVllmLog) for h in pkg.handlers):
+        return
+    pkg.addHandler(_ToVllmLog())
+    pkg.propagate = False  # vLLM's logger is the one place these records go
+
+
+_show_package_logs_in_vllm()

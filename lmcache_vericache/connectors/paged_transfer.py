@@ -137,7 +137,12 @@ class PagedTransfer:
                 full = chunks[i].result(self.load_timeout_s)  # TimeoutError: a hung store fails the load
                 lo, hi = first + i * c, first + (i + 1) * c
                 if full is None or tuple(full.shape[:3]) != (2, len(self._layers), c):
-                    break  # a miss or a corrupt chunk: vLLM recomputes from here
+                    # Found by the lookup, gone or unreadable now (evicted, corrupt, the tier
+                    # failed: the store logged which): vLLM recomputes from here.
+                    logger.warning("vericache connector: load of %s: chunk %d of %d %s; vLLM recomputes "
+                                   "from token %d", spec.req_id, i + 1, len(spec.keys),
+                                   "missed" if full is None else f"has shape {tuple(full.shape)}", max(lo, spec.start))
+                    break
                 self._write(full[:, :, max(0, spec.start - lo):], blocks, max(lo, spec.start), hi, layouts)
                 written = hi
         except Exception as e:  # store down mid-load, bad layout: vLLM recomputes what is missing

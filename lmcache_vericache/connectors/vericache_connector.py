@@ -61,6 +61,7 @@ Tensor = torch.Tensor
 WHERE = "kv_connector_extra_config"
 
 
+
 @dataclass(frozen=True)
 class ConnectorOptions:
     """The connector's own keys of ``kv_connector_extra_config`` (the rest is the store config)."""
@@ -187,17 +188,19 @@ class VeriCacheConnector(KVConnectorBase_V1):
         # The last prompt token is always computed by vLLM (it samples the first output from it).
         keys = self.space.token_keys(prompt[:len(prompt) - 1])
         self.stats.lookups += 1
-        n = 0
+        n, errors = 0, self.store.capacity.io_errors
         try:
             for key in keys:
                 if not self.store.has_full(key):
                     break
                 n += 1
         except Exception as e:  # a dead store is a miss, never an error
-            self.stats.lookup_errors += 1
             logger.warning("vericache connector: lookup failed (%s: %s); serving without the store",
                            type(e).__name__, e)
-            n = 0
+            n, errors = 0, -1
+        # A tier reports a failed check as False (and logs it): its error count tells it from a
+        # miss (with a worker sharing the store, one of the load's errors may be counted here).
+        self.stats.lookup_errors += self.store.capacity.io_errors != errors
         stop = n * self.opts.chunk_size
         if stop <= num_computed_tokens:
             self._hits.pop(request.request_id, None)

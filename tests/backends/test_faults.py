@@ -118,12 +118,16 @@ def test_redis_killed_mid_run_gives_misses_and_errors_not_crashes(redis_server_f
     keys = [f"k{i}" for i in range(len(chunks))]
     for k, kv in zip(keys, chunks):
         store.put(k, kv)
+    assert store.get_full("absent") is None and store.stats.tier_errors == 0  # a miss is not an error
     handle = store.prefetch(keys)
     server.kill()
     with caplog.at_level(logging.ERROR):
         got = handle.wait(timeout=30)  # whatever was read before the kill is intact, the rest misses
         assert all(g is None or torch.equal(g, c) for g, c in zip(got, chunks))
-        assert store.get_full("k0") is None
+        errors = store.stats.tier_errors
+        assert errors == sum(g is None for g in got)  # each failed read counted: the tier failed, not empty
+        assert store.get_full("k0") is None and not store.has_full("k0")
+        assert store.stats.tier_errors == errors + 2
         assert store.prefetch(keys).wait(timeout=30) == [None] * len(keys)
         with pytest.raises(TierError, match="SET"):
             store.put("new", chunks[0])
@@ -221,9 +225,11 @@ def test_lm_server_killed_gives_misses_and_failed_puts(chunks, caplog):
         store = store_on(LMServerTier(server.url))
         store.put("k", chunks[0])
         assert torch.equal(store.get_full("k"), chunks[0])
+        assert store.get_full("absent") is None and store.stats.tier_errors == 0
         server.kill()
         with caplog.at_level(logging.ERROR):
             assert store.get_full("k") is None and store.prefetch(["k"]).wait(timeout=30) == [None]
+            assert store.stats.tier_errors == 2
             with pytest.raises(TierError, match="PUT"):
                 store.put("k2", chunks[1])
         assert any("lm tier" in r.getMessage() for r in caplog.records if r.levelno == logging.ERROR)

@@ -93,9 +93,13 @@ def test_dead_store_is_zero_hits_never_an_error(redis_server_factory):
     prompt = list(range(600))
     c.store.put(c.space.token_keys(prompt)[0], torch.zeros(2, 30, CHUNK, 192))
     assert c.get_num_new_matched_tokens(request("a", prompt), 0) == (256, True)
+    assert c.get_num_new_matched_tokens(request("m", [9] * 600), 0) == (0, False)  # a miss, not an error
+    assert c.stats.lookup_errors == 0
     server.kill()
-    # The tier logs the refused connection and answers "not stored"; nothing reaches vLLM.
+    # The tier logs the refused connection and answers "not stored"; nothing reaches vLLM, and the
+    # connector counts a failed lookup (a dead store is not an empty one).
     assert c.get_num_new_matched_tokens(request("b", prompt), 0) == (0, False)
+    assert c.stats.lookup_errors == 1 and c.store.stats.tier_errors >= 1
 
 
 def test_folder_fingerprint_ignores_consolidated_copies_and_stored_buffers(tmp_path):
@@ -133,3 +137,21 @@ def _empty_scheduler_output():
                            num_scheduled_tokens={}, total_num_scheduled_tokens=0, scheduled_spec_decode_tokens={},
                            scheduled_encoder_inputs={}, num_common_prefix_blocks=[], finished_req_ids=set(),
                            free_encoder_mm_hashes=[])
+
+
+def test_the_package_logs_through_vllms_handler_inside_vllm():
+    # The store's and tiers' loggers are host-independent (lmcache_vericache.*): inside vLLM their
+    # errors (a tier's failed reads) must show in vLLM's log format, not as bare stderr lines.
+    import re
+    import subprocess
+    import sys
+
+    code = ("import logging; import lmcache_vericache.connectors.vericache_connector; "
+            "from vllm.config import LoggingConfig; from vllm.logger import configure_logging; "
+            "configure_logging(LoggingConfig()); "  # as vLLM's engine core does at start-up
+            "logging.getLogger('lmcache_vericache.backends.tiers.redis').error('redis tier x: GET failed')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = [ln for ln in (out.stdout + out.stderr).splitlines() if "GET failed" in ln]
+    # vLLM's format: level, time, [file:line], message (not the bare message of Python's last resort)
+    assert len(line) == 1 and re.search(r"ERROR \S+ \S+ \[<string>:1\] redis tier x", line[0]), out.stdout + out.stderr

@@ -97,9 +97,11 @@ def _generate(prompt: Path, store: dict, n_tokens: int, *extra: str) -> dict:
 
 
 def _connector_warnings(workdir: Path) -> str:
-    """The package's warnings in a vLLM run's log (load failures, lookup errors, drafting errors)."""
+    """The package's warnings and errors in a vLLM run's log (load failures, lookup and drafting
+    errors, the store's and tiers' failed reads)."""
     lines = (workdir / "engine.log").read_text(errors="replace").splitlines()
-    return "\n".join(ln for ln in lines if "WARNING" in ln and "vericache" in ln.lower()) or "(no warnings)"
+    return "\n".join(ln for ln in lines if ("WARNING" in ln or "ERROR" in ln)
+                     and any(w in ln.lower() for w in ("vericache", "tier", "store"))) or "(no warnings)"
 
 
 def test_shared_prefix_drafts_during_the_load_and_matches_plain_vllm(setup):

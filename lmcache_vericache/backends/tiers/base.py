@@ -35,9 +35,17 @@ class CapacityTier(ABC):
       followed by a miss (eviction, another writer).
     * ``delete`` is idempotent and silent when the key is absent or the tier unreachable.
     * ``close`` is idempotent; ``put`` after ``close`` raises :class:`TierError`, reads miss.
+    * ``io_errors`` counts the reads, checks and deletes that failed for I/O (each also a miss or a
+      ``False``), so a caller can tell a failing tier from an empty one.
     """
 
     name: ClassVar[str]
+    _errors: ErrorLog | None = None  # tiers that can fail for I/O log and count through one
+
+    @property
+    def io_errors(self) -> int:
+        """Reads, existence checks and deletes that failed for I/O since the tier was built."""
+        return 0 if self._errors is None else self._errors.count
 
     @abstractmethod
     def put(self, key: str, data: Blob) -> None: ...
