@@ -2,13 +2,15 @@
 
 A decode step is bound by the bytes it reads. A drafter whose prefix is stored as int8 codes with
 one scale per (head, token) (``compressors.int8`` and ``compose`` with ``quant="int8"``) reads 1 byte
-per element here instead of the model dtype's 2 or 4: the C++ kernel in ``kernels/`` dequantizes
-each key/value row on the fly, once for all query rows of its KV head (GQA groups x block tokens),
-and returns the log-sum-exp so the runtime merges this part with attention over the exact suffix.
+per element here instead of the model dtype's 2 or 4: the C++ kernel in ``kernels/`` reads each
+key/value code once for all query rows of its KV head (GQA groups x block tokens), and returns the
+log-sum-exp so the runtime merges this part with attention over the exact suffix. The codes are
+kept in blocks of 16 tokens laid out for 4-byte integer dot products (:class:`Int8Prefix`): on CPUs
+with AVX512-VNNI the scores and the weighted values are ``vpdpbusd`` dot products (q and the
+weights rounded to 8 bits: drafting numerics), elsewhere codes are converted to float.
 
 The kernel is compiled on first use (:mod:`.kernels`). Where it cannot be built, :func:`available`
-is False and int8 drafters attend over a dequantized copy as before (slower, same tokens).
-"""
+is False and int8 drafters attend over a dequantized copy as before (slower, same tokens)."""
 
 from __future__ import annotations
 
@@ -30,12 +32,19 @@ def available() -> bool:
     return _module() is not None
 
 
+def vnni() -> bool:
+    """Whether the built kernel has its AVX512-VNNI path (integer dot products over the codes)."""
+    mod = _module()
+    return bool(mod is not None and mod.vnni)
+
+
 @dataclass
 class Int8Prefix:
-    """A draft cache's compressed prefix as int8 codes, per layer (counts may differ per layer):
-    keys blocked by 16 tokens ``kq [H, ceil(T_l/16), D, 16]`` (a block's scores accumulate in
-    registers; the last block is zero-padded), values ``vq [H, T_l, D]``, both int8, and
-    ``ks``/``vs`` ``[H, T_l]`` float32 scales."""
+    """A draft cache's compressed prefix as int8 codes, per layer (counts may differ per layer), in
+    blocks of 16 tokens (zero-padded): keys ``kq [H, ceil(T_l/16), D/4, 16, 4]`` (per group of 4
+    dimensions, each token's 4 codes), values ``vq [H, 4 ceil(T_l/16), D, 4]`` (per group of 4
+    tokens, each dimension's 4 codes): the 4-byte runs the kernel's integer dot products take.
+    ``ks``/``vs`` ``[H, T_l]`` float32 scales (their length is the layer's)."""
 
     kq: list[Tensor] = field(default_factory=list)
     ks: list[Tensor] = field(default_factory=list)
@@ -44,23 +53,23 @@ class Int8Prefix:
 
     @classmethod
     def empty(cls, layers: int, heads: int, head_dim: int) -> Int8Prefix:
-        empty = lambda *shape, dtype=torch.int8: torch.empty(*shape, dtype=dtype)  # noqa: E731
-        return cls([empty(heads, 0, head_dim, BLOCK) for _ in range(layers)],
-                   [empty(heads, 0, dtype=torch.float32) for _ in range(layers)],
-                   [empty(heads, 0, head_dim) for _ in range(layers)],
-                   [empty(heads, 0, dtype=torch.float32) for _ in range(layers)])
+        if head_dim not in HEAD_DIMS:
+            raise ValueError(f"the int8 attention kernel takes head sizes {HEAD_DIMS}, not {head_dim}")
+        codes = lambda *shape: torch.empty(*shape, dtype=torch.int8)  # noqa: E731
+        scales = lambda: torch.empty(heads, 0)  # noqa: E731
+        return cls([codes(heads, 0, head_dim // 4, BLOCK, 4) for _ in range(layers)], [scales() for _ in range(layers)],
+                   [codes(heads, 0, head_dim, 4) for _ in range(layers)], [scales() for _ in range(layers)])
 
     def append(self, layer: int, kq: Tensor, ks: Tensor, vq: Tensor, vs: Tensor) -> None:
         """Append one chunk's codes ``[H, n, D]`` and scales ``[H, n]`` (any float dtype) to a layer."""
-        h, n, d = self.vq[layer].shape
-        keys = self.kq[layer].transpose(2, 3).reshape(h, -1, d)[:, :n]  # back to [H, T, D]
-        self.kq[layer] = _blocked(torch.cat([keys, kq], dim=1))
-        self.vq[layer] = torch.cat([self.vq[layer], vq], dim=1).contiguous()
+        n = self.length(layer)
+        self.kq[layer] = _block_keys(torch.cat([_unblock_keys(self.kq[layer], n), kq], dim=1))
+        self.vq[layer] = _block_values(torch.cat([_unblock_values(self.vq[layer], n), vq], dim=1))
         self.ks[layer] = torch.cat([self.ks[layer], ks.float().reshape(ks.shape[0], -1)], dim=1).contiguous()
         self.vs[layer] = torch.cat([self.vs[layer], vs.float().reshape(vs.shape[0], -1)], dim=1).contiguous()
 
     def length(self, layer: int) -> int:
-        return self.vq[layer].shape[1]
+        return self.ks[layer].shape[1]
 
     @property
     def nbytes(self) -> int:
@@ -71,21 +80,43 @@ class Int8Prefix:
 
 
 BLOCK = 16
+HEAD_DIMS = (16, 32, 64, 128)  # the kernel's compiled head sizes
 
 
-def _blocked(keys: Tensor) -> Tensor:
-    """``[H, T, D]`` -> ``[H, ceil(T/16), D, 16]``, zero-padded."""
-    h, t, d = keys.shape
-    pad = -t % BLOCK
-    if pad:
-        keys = torch.cat([keys, keys.new_zeros(h, pad, d)], dim=1)
-    return keys.view(h, -1, BLOCK, d).transpose(2, 3).contiguous()
+def _padded(x: Tensor) -> Tensor:
+    """``[H, T, D]`` zero-padded to a multiple of ``BLOCK`` tokens."""
+    pad = -x.shape[1] % BLOCK
+    return torch.cat([x, x.new_zeros(x.shape[0], pad, x.shape[2])], dim=1) if pad else x
 
 
-def attention(jobs: list[tuple[Tensor, Int8Prefix, int]], scale: float) -> list[tuple[Tensor, Tensor]]:
+def _block_keys(keys: Tensor) -> Tensor:
+    """``[H, T, D]`` -> ``[H, ceil(T/16), D/4, 16, 4]``."""
+    h, _, d = keys.shape
+    return _padded(keys).view(h, -1, BLOCK, d // 4, 4).transpose(2, 3).contiguous()
+
+
+def _unblock_keys(kq: Tensor, n: int) -> Tensor:
+    h, nb, g, _, _ = kq.shape
+    return kq.transpose(2, 3).reshape(h, nb * BLOCK, g * 4)[:, :n]
+
+
+def _block_values(values: Tensor) -> Tensor:
+    """``[H, T, D]`` -> ``[H, 4 ceil(T/16), D, 4]``."""
+    h, _, d = values.shape
+    return _padded(values).view(h, -1, 4, d).transpose(2, 3).contiguous()
+
+
+def _unblock_values(vq: Tensor, n: int) -> Tensor:
+    h, g, d, _ = vq.shape
+    return vq.transpose(2, 3).reshape(h, g * 4, d)[:, :n]
+
+
+def attention(jobs: list[tuple[Tensor, Int8Prefix, int]], scale: float, vnni: bool = True) -> list[tuple[Tensor, Tensor]]:
     """For each job ``(q [H, m, D], prefix, layer)``: attention of the query rows over that layer's
     int8 prefix, ``(out [H, m, D] float32, lse [H, m] float32)``. Jobs with an empty prefix give
-    ``lse = -inf`` (no weight in a merge)."""
+    ``lse = -inf`` (no weight in a merge). ``vnni=False`` takes the kernel's float path on a CPU
+    with AVX512-VNNI (exact up to float rounding; the VNNI path rounds q and the weights, see
+    ``kernels/int8_attention.cpp``)."""
     mod = _module()
     if mod is None:
         raise RuntimeError("int8 attention kernel is not available")
@@ -94,7 +125,7 @@ def attention(jobs: list[tuple[Tensor, Int8Prefix, int]], scale: float) -> list[
     if run:
         outs, lses = mod.int8_attention([q for _, q, _, _ in run], [p.kq[li] for _, _, p, li in run],
                                         [p.ks[li] for _, _, p, li in run], [p.vq[li] for _, _, p, li in run],
-                                        [p.vs[li] for _, _, p, li in run], scale)
+                                        [p.vs[li] for _, _, p, li in run], scale, vnni)
         for (i, *_), o, lse in zip(run, outs, lses):
             res[i] = (o, lse)
     for i, (q, _, _) in enumerate(jobs):

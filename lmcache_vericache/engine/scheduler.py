@@ -176,9 +176,10 @@ class VeriCacheEngine:
                 raise ValueError(f"int8_draft needs a compressor that stores int8 codes on CPU, not "
                                  f"{self.compressor.name} on {self.rt.device.type}")
             return False
-        if not int8_attention.available():
+        if not int8_attention.available() or self.rt.head_dim not in int8_attention.HEAD_DIMS:
             if wanted:
-                raise ValueError("int8_draft: the int8 attention kernel could not be built (see the log)")
+                raise ValueError(f"int8_draft: the int8 attention kernel could not be built (see the log) or "
+                                 f"does not take head size {self.rt.head_dim} (it takes {int8_attention.HEAD_DIMS})")
             return False
         return True
 

@@ -20,20 +20,43 @@ def _quantized(h, t, d, gen):
     return (x / s[..., None]).round().clamp(-127, 127).to(torch.int8), s
 
 
-@pytest.mark.parametrize("t,m", [(1, 1), (17, 3), (255, 6), (256, 3), (1000, 48)])
-def test_kernel_equals_attention_over_dequantized_codes(t, m):
+# The float path is exact up to float rounding; the VNNI path rounds q (per row) and the weights
+# (per row and 16-token block) to 8 bits: a drafter's numerics, measured here at most ~5e-2 on
+# outputs of magnitude ~4 with these large random scores (q ~ 2 N(0, 1)).
+PATHS = [pytest.param(False, (2e-5, 1e-4), id="float"),
+         pytest.param(True, (8e-2, 2e-2), id="vnni", marks=pytest.mark.skipif(
+             not (int8_attention.available() and int8_attention.vnni()), reason="no AVX512-VNNI here"))]
+
+
+@pytest.mark.parametrize("vnni,tol", PATHS)
+@pytest.mark.parametrize("t,m,d", [(1, 1, 64), (17, 3, 64), (255, 6, 64), (256, 3, 64), (1000, 48, 64), (300, 3, 16),
+                                   (40, 9, 128)])
+def test_kernel_equals_attention_over_dequantized_codes(t, m, d, vnni, tol):
     gen = torch.Generator().manual_seed(t + m)
-    h, d = 3, 64
+    h = 3
     (kq, ks), (vq, vs) = _quantized(h, t, d, gen), _quantized(h, t, d, gen)
     q = torch.randn(h, m, d, generator=gen) * 2
     prefix = int8_attention.Int8Prefix.empty(1, h, d)
     prefix.append(0, kq[:, : t // 2], ks[:, : t // 2], vq[:, : t // 2], vs[:, : t // 2])  # two appends
     prefix.append(0, kq[:, t // 2:], ks[:, t // 2:, None], vq[:, t // 2:], vs[:, t // 2:, None])
-    [(out, lse)] = int8_attention.attention([(q, prefix, 0)], 0.125)
+    assert prefix.length(0) == t and prefix.kq[0].shape[1] == -(-t // 16)  # blocks of 16 tokens, padded
+    [(out, lse)] = int8_attention.attention([(q, prefix, 0)], 0.125, vnni=vnni)
     k, v = kq.float() * ks[..., None], vq.float() * vs[..., None]
     scores = q @ k.transpose(1, 2) * 0.125
-    torch.testing.assert_close(out, scores.softmax(-1) @ v, atol=2e-5, rtol=1e-4)
-    torch.testing.assert_close(lse, scores.logsumexp(-1), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(out, scores.softmax(-1) @ v, atol=tol[0], rtol=tol[1])
+    torch.testing.assert_close(lse, scores.logsumexp(-1), atol=tol[0], rtol=tol[1])
+
+
+def test_the_blocked_layouts_round_trip():
+    gen = torch.Generator().manual_seed(1)
+    codes = torch.randint(-127, 128, (3, 37, 64), dtype=torch.int8, generator=gen)
+    keys, values = int8_attention._block_keys(codes), int8_attention._block_values(codes)
+    assert keys.shape == (3, 3, 16, 16, 4) and values.shape == (3, 12, 64, 4)
+    assert keys[1, 1, 5, 7, 3].item() == codes[1, 16 + 7, 4 * 5 + 3].item()  # block, dim group, token, dim
+    assert values[1, 8, 40, 2].item() == codes[1, 8 * 4 + 2, 40].item()  # token group, dim, token
+    assert torch.equal(int8_attention._unblock_keys(keys, 37), codes)
+    assert torch.equal(int8_attention._unblock_values(values, 37), codes)
+    assert keys[:, 2, :, 5:].eq(0).all() and values[:, 9, :, 1:].eq(0).all()  # padding is zeros
 
 
 def test_merged_attention_equals_attention_over_the_union():
@@ -47,14 +70,14 @@ def test_merged_attention_equals_attention_over_the_union():
     k, v = torch.randn(hkv, past + n, d, generator=gen), torch.randn(hkv, past + n, d, generator=gen)
     q = torch.randn(n, hkv * g, d, generator=gen)
     qrows = q.view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d)
-    [part] = int8_attention.attention([(qrows, prefix, 0)], 0.125)
+    [part] = int8_attention.attention([(qrows, prefix, 0)], 0.125, vnni=False)  # the exact path: the merge is tested
     got = attend(q, k, v, n, 0.125, part)
     full_k = torch.cat([kq.float() * ks[..., None], k], 1)
     full_v = torch.cat([vq.float() * vs[..., None], v], 1)
     want = attend(q, full_k, full_v, n, 0.125)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     # a 1-token step (no causal block): the fused path with the prefix merged in
-    [part1] = int8_attention.attention([(q[-1:].view(hkv, g, d), prefix, 0)], 0.125)
+    [part1] = int8_attention.attention([(q[-1:].view(hkv, g, d), prefix, 0)], 0.125, vnni=False)
     got1 = attend(q[-1:], k, v, 1, 0.125, part1)
     torch.testing.assert_close(got1, attend(q[-1:], full_k, full_v, 1, 0.125), atol=2e-5, rtol=1e-4)
 

@@ -1,11 +1,20 @@
-// Decode attention over int8 KV codes, dequantized on the fly (see engine/int8_attention.py).
+// Decode attention over int8 KV codes, read as codes (see engine/int8_attention.py).
 //
 // For every job j (one request's layer): queries q[j] [H, m, D] float32 (m query rows per KV head,
-// GQA groups x block tokens), keys kq[j] [H, ceil(T/16), D, 16] (blocked by 16 tokens) / values
-// vq[j] [H, T, D] int8 with one float32 scale per (head, token) in ks[j] / vs[j] [H, T]. Returns, per job, out [H, m, D] = softmax(scale * q k^T) v
-// and lse [H, m] (natural log-sum-exp of the scaled scores) so the caller can merge this part with
-// attention over other entries. The codes are read once per (head, token) for all m rows: 1 byte
-// per element instead of 2 or 4, which is what a memory-bound decode step pays for.
+// GQA groups x block tokens); keys kq[j] [H, nb, D/4, 16, 4] and values vq[j] [H, 4 nb, D, 4] int8
+// in blocks of 16 tokens (nb = ceil(T/16), zero-padded), with one float32 scale per (head, token)
+// in ks[j] / vs[j] [H, T]. A key block holds, per group of 4 dimensions, its 16 tokens' 4 codes;
+// a value group of 4 tokens holds, per dimension, their 4 codes: the 4-byte runs VNNI's u8 x s8
+// dot products (vpdpbusd) take, and one 64-byte run per vector in either path. Returns, per job,
+// out [H, m, D] = softmax(scale * q k^T) v and lse [H, m] (natural log-sum-exp of the scaled
+// scores) so the caller can merge this part with attention over other entries. The codes are read
+// once per (head, token) for all m rows: 1 byte per element instead of 2 or 4.
+//
+// With AVX512-VNNI (attend_vnni) the scores are integer dot products of the codes with q rounded
+// to int8 (one scale per row), and p v integer dot products of the value codes with the weights
+// p * vs rounded to uint8 (one scale per row and block of 16 tokens): a drafter's numerics, about
+// 1e-3 from the exact result, at a fifth of the instructions. Elsewhere, or with vnni=false,
+// attend_float converts the codes to float and uses FMAs (exact up to float rounding).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -16,123 +25,221 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define VERICACHE_VNNI 1
+#else
+#define VERICACHE_VNNI 0
+#endif
+
 namespace {
 
 using vericache::exp_nonpositive;
 
-constexpr int64_t kBlock = 16;  // tokens per key block: one AVX-512 vector of float scores
+constexpr int64_t kBlock = 16;  // tokens per key block: one AVX-512 vector of scores
+constexpr int kMaxRows = 8;     // query rows per pass (more rows: several passes over the codes)
 
-// Keys are blocked: kb [ceil(T / 16), D, 16] (block b holds dimension d of its 16 tokens
-// contiguously, so a block is one 16*D-byte run and its scores accumulate in registers; the last
-// block is zero-padded). Values [T, D]. Scores s [m, T] are scratch.
-
-// Softmax of each row of s in place, times the value scales; writes lse.
-void softmax_rows(float* __restrict__ s, const float* __restrict__ vs, int64_t m, int64_t T, float* __restrict__ lse) {
+// Row softmax of s [m, Tp] over its first T entries: numerators exp(s - max) in place (padding
+// entries set to 0), with each row's max and sum.
+void softmax_numerators(float* __restrict__ s, int64_t m, int64_t T, int64_t Tp, float* __restrict__ mx,
+                        float* __restrict__ sum) {
   for (int64_t i = 0; i < m; ++i) {
-    float* __restrict__ si = s + i * T;
-    float mx = -INFINITY;
-    for (int64_t t = 0; t < T; ++t) mx = si[t] > mx ? si[t] : mx;
-    float sum = 0.f;
+    float* __restrict__ si = s + i * Tp;
+    float top = -INFINITY;
+    for (int64_t t = 0; t < T; ++t) top = si[t] > top ? si[t] : top;
+    float total = 0.f;
     for (int64_t t = 0; t < T; ++t) {
-      si[t] = exp_nonpositive(si[t] - mx);
-      sum += si[t];
+      si[t] = exp_nonpositive(si[t] - top);
+      total += si[t];
     }
-    const float inv = 1.f / sum;
-    for (int64_t t = 0; t < T; ++t) si[t] *= inv * vs[t];  // value scale folded into the weight
-    lse[i] = mx + std::log(sum);
+    for (int64_t t = T; t < Tp; ++t) si[t] = 0.f;
+    mx[i] = top, sum[i] = total;
   }
 }
 
-// M query rows and head size D known at compile time: accumulators live in registers.
+// 16 lanes as one vector (GCC/Clang vector extensions: one AVX-512 register, two AVX2 ones).
+typedef float f16v __attribute__((vector_size(64)));
+typedef int32_t i16v __attribute__((vector_size(64)));
+inline i16v load_words(const int8_t* p) { i16v r; std::memcpy(&r, p, sizeof r); return r; }
+inline f16v load_floats(const float* p) { f16v r; std::memcpy(&r, p, sizeof r); return r; }
+
+// Byte j of each of 16 words, sign-extended, as floats: one dimension of 16 tokens (keys) or one
+// token of 16 dimensions (values).
+inline f16v codes(i16v words, int j) { return __builtin_convertvector((words << (24 - 8 * j)) >> 24, f16v); }
+
+// Portable path (M rows, templated like the VNNI one): codes to float, FMAs.
 template <int M, int D>
-void attend_fixed(const float* __restrict__ q, const int8_t* __restrict__ kb, const float* __restrict__ ks,
-                  const int8_t* __restrict__ vq, const float* __restrict__ vs, int64_t T, float scale,
+void attend_float(const float* __restrict__ q, const int8_t* __restrict__ kb, const float* __restrict__ ks,
+                  const int8_t* __restrict__ vb, const float* __restrict__ vs, int64_t T, float scale,
                   float* __restrict__ out, float* __restrict__ lse, float* __restrict__ s) {
-  for (int64_t t0 = 0; t0 < T; t0 += kBlock) {
-    const int8_t* __restrict__ blk = kb + t0 * D;
-    float acc[M][kBlock] = {};
-    for (int d = 0; d < D; ++d) {
-      float kf[kBlock];
-      for (int t = 0; t < kBlock; ++t) kf[t] = static_cast<float>(blk[d * kBlock + t]);
-      for (int i = 0; i < M; ++i) {
-        const float qd = q[i * D + d];
-        for (int t = 0; t < kBlock; ++t) acc[i][t] += qd * kf[t];
+  const int64_t nb = (T + kBlock - 1) / kBlock, Tp = nb * kBlock;
+  std::vector<float> kscale(ks, ks + T);
+  kscale.resize(Tp, 0.f);
+  for (int64_t b = 0; b < nb; ++b) {
+    f16v acc[M] = {};
+    for (int g = 0; g < D / 4; ++g) {
+      const i16v w = load_words(kb + (b * (D / 4) + g) * 64);  // 16 tokens x dimensions 4g..4g+3
+      for (int j = 0; j < 4; ++j) {
+        const f16v kf = codes(w, j);
+        for (int i = 0; i < M; ++i) acc[i] += q[i * D + 4 * g + j] * kf;
       }
     }
-    const int64_t nt = std::min(kBlock, T - t0);
-    for (int i = 0; i < M; ++i)
-      for (int64_t t = 0; t < nt; ++t) s[i * T + t0 + t] = acc[i][t] * scale * ks[t0 + t];
-  }
-  softmax_rows(s, vs, M, T, lse);
-  float o[M][D] = {};
-  for (int64_t t = 0; t < T; ++t) {
-    const int8_t* __restrict__ vr = vq + t * D;
-    float vf[D];
-    for (int d = 0; d < D; ++d) vf[d] = static_cast<float>(vr[d]);
+    const f16v kscaled = load_floats(kscale.data() + b * kBlock) * scale;
     for (int i = 0; i < M; ++i) {
-      const float w = s[i * T + t];
-      for (int d = 0; d < D; ++d) o[i][d] += w * vf[d];
+      const f16v si = acc[i] * kscaled;
+      std::memcpy(s + i * Tp + b * kBlock, &si, sizeof si);
     }
   }
+  float mx[M], sum[M];
+  softmax_numerators(s, M, T, Tp, mx, sum);
   for (int i = 0; i < M; ++i)
-    for (int d = 0; d < D; ++d) out[i * D + d] = o[i][d];
-}
-
-// Any m and D (a cached prompt's tail, n-gram blocks, other head sizes): same layout, plain loops.
-void attend_any(const float* __restrict__ q, const int8_t* __restrict__ kb, const float* __restrict__ ks,
-                const int8_t* __restrict__ vq, const float* __restrict__ vs, int64_t m, int64_t T, int64_t D,
-                float scale, float* __restrict__ out, float* __restrict__ lse, float* __restrict__ s) {
-  for (int64_t t0 = 0; t0 < T; t0 += kBlock) {
-    const int8_t* __restrict__ blk = kb + t0 * D;
-    const int64_t nt = std::min(kBlock, T - t0);
-    for (int64_t i = 0; i < m; ++i) {
-      float acc[kBlock] = {};
-      for (int64_t d = 0; d < D; ++d) {
-        const float qd = q[i * D + d];
-        for (int t = 0; t < kBlock; ++t) acc[t] += qd * static_cast<float>(blk[d * kBlock + t]);
+    for (int64_t t = 0; t < T; ++t) s[i * Tp + t] *= vs[t];  // value scale folded into the weight
+  constexpr int kV = D / 16;
+  f16v o[M][kV] = {};
+  for (int64_t g = 0; g < Tp / 4; ++g) {
+    i16v w[kV];  // dimensions 16c..16c+15 x tokens 4g..4g+3
+    for (int c = 0; c < kV; ++c) w[c] = load_words(vb + (g * D + 16 * c) * 4);
+    for (int j = 0; j < 4; ++j)
+      for (int c = 0; c < kV; ++c) {
+        const f16v vf = codes(w[c], j);
+        for (int i = 0; i < M; ++i) o[i][c] += s[i * Tp + 4 * g + j] * vf;
       }
-      for (int64_t t = 0; t < nt; ++t) s[i * T + t0 + t] = acc[t] * scale * ks[t0 + t];
-    }
   }
-  softmax_rows(s, vs, m, T, lse);
-  for (int64_t i = 0; i < m * D; ++i) out[i] = 0.f;
-  for (int64_t t = 0; t < T; ++t) {
-    const int8_t* __restrict__ vr = vq + t * D;
-    for (int64_t i = 0; i < m; ++i) {
-      const float w = s[i * T + t];
-      float* __restrict__ oi = out + i * D;
-      for (int64_t d = 0; d < D; ++d) oi[d] += w * static_cast<float>(vr[d]);
+  for (int i = 0; i < M; ++i) {
+    const f16v o_scale = f16v{} + 1.f / sum[i];
+    for (int c = 0; c < kV; ++c) {
+      const f16v oc = o[i][c] * o_scale;
+      std::memcpy(out + i * D + 16 * c, &oc, sizeof oc);
     }
+    lse[i] = mx[i] + std::log(sum[i]);
   }
 }
 
+#if VERICACHE_VNNI
+// VNNI path, M rows (templated: the accumulators stay in registers).
+template <int M, int D>
+void attend_vnni(const float* __restrict__ q, const int8_t* __restrict__ kb, const float* __restrict__ ks,
+                 const int8_t* __restrict__ vb, const float* __restrict__ vs, int64_t T, float scale,
+                 float* __restrict__ out, float* __restrict__ lse, float* __restrict__ s) {
+  const int64_t nb = (T + kBlock - 1) / kBlock, Tp = nb * kBlock;
+  // q rounded to int8 per row; (k + 128) . q = k . q + 128 sum(q): the offset is undone per row.
+  alignas(64) int8_t qi[M][D];
+  float qscale[M];
+  int32_t qoff[M];
+  for (int i = 0; i < M; ++i) {
+    float top = 0.f;
+    for (int d = 0; d < D; ++d) top = std::max(top, std::fabs(q[i * D + d]));
+    const float inv = top > 0.f ? 127.f / top : 0.f;
+    qscale[i] = top > 0.f ? top / 127.f : 0.f;
+    int32_t total = 0;
+    for (int d = 0; d < D; ++d) {
+      qi[i][d] = static_cast<int8_t>(std::lrintf(q[i * D + d] * inv));
+      total += qi[i][d];
+    }
+    qoff[i] = 128 * total;
+  }
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i acc[M];
+    for (int i = 0; i < M; ++i) acc[i] = _mm512_setzero_si512();
+    const int8_t* __restrict__ blk = kb + b * (D / 4) * 64;
+    for (int g = 0; g < D / 4; ++g) {
+      const __m512i ku = _mm512_xor_si512(_mm512_loadu_si512(blk + g * 64), flip);  // s8 -> u8 (+128)
+      for (int i = 0; i < M; ++i) {
+        int32_t qw;
+        std::memcpy(&qw, &qi[i][4 * g], sizeof qw);
+        acc[i] = _mm512_dpbusd_epi32(acc[i], ku, _mm512_set1_epi32(qw));
+      }
+    }
+    const int64_t t0 = b * kBlock;
+    const __m512 kscale = t0 + kBlock <= T ? _mm512_loadu_ps(ks + t0)
+                                           : _mm512_maskz_loadu_ps((1u << (T - t0)) - 1, ks + t0);
+    for (int i = 0; i < M; ++i) {
+      const __m512 raw = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i], _mm512_set1_epi32(qoff[i])));
+      _mm512_storeu_ps(s + i * Tp + t0, _mm512_mul_ps(raw, _mm512_mul_ps(kscale, _mm512_set1_ps(qscale[i] * scale))));
+    }
+  }
+  float mx[M], sum[M];
+  softmax_numerators(s, M, T, Tp, mx, sum);
+  // p v: per block of 16 tokens, the weights p * vs of each row rounded to uint8 against the
+  // block's largest, 4 tokens per dword; integer sums over the block, then scaled to float.
+  constexpr int kV = D / 16;
+  __m512 o[M][kV];
+  for (int i = 0; i < M; ++i)
+    for (int c = 0; c < kV; ++c) o[i][c] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t t0 = b * kBlock;
+    const __m512 vscale = t0 + kBlock <= T ? _mm512_loadu_ps(vs + t0)
+                                           : _mm512_maskz_loadu_ps((1u << (T - t0)) - 1, vs + t0);
+    alignas(64) uint8_t wq[M][kBlock];
+    float wscale[M];
+    for (int i = 0; i < M; ++i) {
+      const __m512 w = _mm512_mul_ps(_mm512_loadu_ps(s + i * Tp + t0), vscale);
+      const float top = _mm512_reduce_max_ps(w);
+      wscale[i] = top > 0.f ? top / 255.f : 0.f;
+      const __m512 inv = _mm512_set1_ps(top > 0.f ? 255.f / top : 0.f);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(wq[i]), _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(w, inv))));
+    }
+    __m512i acc[M][kV];
+    for (int i = 0; i < M; ++i)
+      for (int c = 0; c < kV; ++c) acc[i][c] = _mm512_setzero_si512();
+    const int8_t* __restrict__ blk = vb + t0 * D;
+    for (int g = 0; g < kBlock / 4; ++g) {
+      __m512i vv[kV];
+      for (int c = 0; c < kV; ++c) vv[c] = _mm512_loadu_si512(blk + (g * D + 16 * c) * 4);
+      for (int i = 0; i < M; ++i) {
+        int32_t ww;
+        std::memcpy(&ww, &wq[i][4 * g], sizeof ww);
+        const __m512i wb = _mm512_set1_epi32(ww);
+        for (int c = 0; c < kV; ++c) acc[i][c] = _mm512_dpbusd_epi32(acc[i][c], wb, vv[c]);
+      }
+    }
+    for (int i = 0; i < M; ++i) {
+      const __m512 ws = _mm512_set1_ps(wscale[i]);
+      for (int c = 0; c < kV; ++c) o[i][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][c]), ws, o[i][c]);
+    }
+  }
+  for (int i = 0; i < M; ++i) {
+    const __m512 inv = _mm512_set1_ps(1.f / sum[i]);
+    for (int c = 0; c < kV; ++c) _mm512_storeu_ps(out + i * D + 16 * c, _mm512_mul_ps(o[i][c], inv));
+    lse[i] = mx[i] + std::log(sum[i]);
+  }
+}
+
+#endif
+
+// M rows of one (job, head) by the chosen path.
+template <int M, int D>
+void attend_rows(const float* q, const int8_t* kb, const float* ks, const int8_t* vb, const float* vs, int64_t T,
+                 float scale, bool vnni, float* out, float* lse, float* s) {
+#if VERICACHE_VNNI
+  if (vnni) return attend_vnni<M, D>(q, kb, ks, vb, vs, T, scale, out, lse, s);
+#endif
+  attend_float<M, D>(q, kb, ks, vb, vs, T, scale, out, lse, s);
+}
+
+// One (job, head): its m rows in passes of at most kMaxRows (the accumulators of a pass stay in
+// registers; a verify-sized block re-reads the codes from cache per pass).
 template <int D>
-bool attend_d(const float* q, const int8_t* kb, const float* ks, const int8_t* vq, const float* vs, int64_t m,
-              int64_t T, float scale, float* out, float* lse, float* s) {
-  switch (m) {
-    case 1: attend_fixed<1, D>(q, kb, ks, vq, vs, T, scale, out, lse, s); return true;
-    case 2: attend_fixed<2, D>(q, kb, ks, vq, vs, T, scale, out, lse, s); return true;
-    case 3: attend_fixed<3, D>(q, kb, ks, vq, vs, T, scale, out, lse, s); return true;
-    case 4: attend_fixed<4, D>(q, kb, ks, vq, vs, T, scale, out, lse, s); return true;
-    case 6: attend_fixed<6, D>(q, kb, ks, vq, vs, T, scale, out, lse, s); return true;
-    case 8: attend_fixed<8, D>(q, kb, ks, vq, vs, T, scale, out, lse, s); return true;
-    default: return false;
+void attend_head(const float* q, int64_t m, const int8_t* kb, const float* ks, const int8_t* vb, const float* vs,
+                 int64_t T, float scale, bool vnni, float* out, float* lse, float* s) {
+  for (int64_t i0 = 0; i0 < m; i0 += kMaxRows) {
+    const float* qi = q + i0 * D;
+    float *oi = out + i0 * D, *li = lse + i0;
+    switch (std::min<int64_t>(kMaxRows, m - i0)) {
+#define VERICACHE_ROWS(M) case M: attend_rows<M, D>(qi, kb, ks, vb, vs, T, scale, vnni, oi, li, s); break;
+      VERICACHE_ROWS(1) VERICACHE_ROWS(2) VERICACHE_ROWS(3) VERICACHE_ROWS(4)
+      VERICACHE_ROWS(5) VERICACHE_ROWS(6) VERICACHE_ROWS(7) VERICACHE_ROWS(8)
+#undef VERICACHE_ROWS
+    }
   }
-}
-
-void attend_head(const float* q, const int8_t* kb, const float* ks, const int8_t* vq, const float* vs, int64_t m,
-                 int64_t T, int64_t D, float scale, float* out, float* lse, float* s) {
-  // the common decode shapes (GQA group of 1-8 query heads, head size 64 or 128) get fixed loops
-  if (D == 64 && attend_d<64>(q, kb, ks, vq, vs, m, T, scale, out, lse, s)) return;
-  if (D == 128 && attend_d<128>(q, kb, ks, vq, vs, m, T, scale, out, lse, s)) return;
-  attend_any(q, kb, ks, vq, vs, m, T, D, scale, out, lse, s);
 }
 
 }  // namespace
 
 std::vector<std::vector<torch::Tensor>> int8_attention(std::vector<torch::Tensor> q, std::vector<torch::Tensor> kq,
                                                        std::vector<torch::Tensor> ks, std::vector<torch::Tensor> vq,
-                                                       std::vector<torch::Tensor> vs, double scale) {
+                                                       std::vector<torch::Tensor> vs, double scale, bool vnni) {
   const size_t jobs = q.size();
   TORCH_CHECK(kq.size() == jobs && ks.size() == jobs && vq.size() == jobs && vs.size() == jobs, "job count mismatch");
   std::vector<torch::Tensor> outs(jobs), lses(jobs);
@@ -143,32 +250,48 @@ std::vector<std::vector<torch::Tensor>> int8_attention(std::vector<torch::Tensor
                 "codes must be contiguous int8");
     TORCH_CHECK(ks[j].dtype() == torch::kFloat32 && ks[j].is_contiguous() && vs[j].dtype() == torch::kFloat32 && vs[j].is_contiguous(),
                 "scales must be contiguous float32 [H, T]");
-    const int64_t H = q[j].size(0), m = q[j].size(1), D = q[j].size(2), T = vq[j].size(1);
-    TORCH_CHECK(vq[j].size(0) == H && vq[j].size(2) == D, "values must be [H, T, D]");
-    TORCH_CHECK(kq[j].dim() == 4 && kq[j].size(0) == H && kq[j].size(1) == (T + kBlock - 1) / kBlock &&
-                kq[j].size(2) == D && kq[j].size(3) == kBlock, "keys must be blocked [H, ceil(T/16), D, 16]");
-    TORCH_CHECK(ks[j].size(0) == H && ks[j].size(1) == T && vs[j].sizes() == ks[j].sizes(), "scales shape mismatch");
+    const int64_t H = q[j].size(0), m = q[j].size(1), D = q[j].size(2), T = ks[j].size(1);
+    const int64_t nb = (T + kBlock - 1) / kBlock;
+    TORCH_CHECK(D == 16 || D == 32 || D == 64 || D == 128, "head size must be 16, 32, 64 or 128, got ", D);
     TORCH_CHECK(T > 0, "no keys");
+    TORCH_CHECK(ks[j].size(0) == H && vs[j].sizes() == ks[j].sizes(), "scales must be [H, T]");
+    TORCH_CHECK(kq[j].dim() == 5 && kq[j].size(0) == H && kq[j].size(1) == nb && kq[j].size(2) == D / 4 &&
+                kq[j].size(3) == kBlock && kq[j].size(4) == 4, "keys must be blocked [H, ceil(T/16), D/4, 16, 4]");
+    TORCH_CHECK(vq[j].dim() == 4 && vq[j].size(0) == H && vq[j].size(1) == 4 * nb && vq[j].size(2) == D &&
+                vq[j].size(3) == 4, "values must be blocked [H, 4 ceil(T/16), D, 4]");
     outs[j] = torch::empty({H, m, D}, q[j].options());
     lses[j] = torch::empty({H, m}, q[j].options());
     for (int64_t h = 0; h < H; ++h) work.emplace_back(j, h);
   }
+  vnni = vnni && VERICACHE_VNNI;
   at::parallel_for(0, static_cast<int64_t>(work.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s;
     for (int64_t w = begin; w < end; ++w) {
       const size_t j = work[w].first;
       const int64_t h = work[w].second;
-      const int64_t m = q[j].size(1), D = q[j].size(2), T = vq[j].size(1);
-      s.resize(static_cast<size_t>(m * T));
-      const int64_t nb = kq[j].size(1);
-      attend_head(q[j].data_ptr<float>() + h * m * D, kq[j].data_ptr<int8_t>() + h * nb * kBlock * D, ks[j].data_ptr<float>() + h * T,
-                  vq[j].data_ptr<int8_t>() + h * T * D, vs[j].data_ptr<float>() + h * T, m, T, D, static_cast<float>(scale),
-                  outs[j].data_ptr<float>() + h * m * D, lses[j].data_ptr<float>() + h * m, s.data());
+      const int64_t m = q[j].size(1), D = q[j].size(2), T = ks[j].size(1);
+      const int64_t Tp = (T + kBlock - 1) / kBlock * kBlock;
+      s.resize(static_cast<size_t>(std::min<int64_t>(m, kMaxRows) * Tp));
+      const float* qh = q[j].data_ptr<float>() + h * m * D;
+      const int8_t* kh = kq[j].data_ptr<int8_t>() + h * Tp * D;
+      const int8_t* vh = vq[j].data_ptr<int8_t>() + h * Tp * D;
+      const float *ksh = ks[j].data_ptr<float>() + h * T, *vsh = vs[j].data_ptr<float>() + h * T;
+      float* oh = outs[j].data_ptr<float>() + h * m * D;
+      float* lh = lses[j].data_ptr<float>() + h * m;
+      const float sc = static_cast<float>(scale);
+      switch (D) {
+        case 16: attend_head<16>(qh, m, kh, ksh, vh, vsh, T, sc, vnni, oh, lh, s.data()); break;
+        case 32: attend_head<32>(qh, m, kh, ksh, vh, vsh, T, sc, vnni, oh, lh, s.data()); break;
+        case 64: attend_head<64>(qh, m, kh, ksh, vh, vsh, T, sc, vnni, oh, lh, s.data()); break;
+        default: attend_head<128>(qh, m, kh, ksh, vh, vsh, T, sc, vnni, oh, lh, s.data()); break;
+      }
     }
   });
   return {outs, lses};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int8_attention", &int8_attention, "attention over int8 KV codes with per-(head, token) scales");
+  m.def("int8_attention", &int8_attention, "attention over int8 KV codes with per-(head, token) scales",
+        py::arg("q"), py::arg("kq"), py::arg("ks"), py::arg("vq"), py::arg("vs"), py::arg("scale"), py::arg("vnni") = true);
+  m.attr("vnni") = static_cast<bool>(VERICACHE_VNNI);
 }
