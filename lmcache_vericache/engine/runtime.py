@@ -54,14 +54,20 @@ def _flash_lse(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, T
     return ((s - lse[..., None]).exp().to(v.dtype) @ v), lse
 
 
-def _dense_lse(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """:func:`_flash_lse` of query rows over dense entries (a decode token's GQA group, a verify
-    block's rows over the entries before it): the dense kernel where it applies (CPU, bf16/fp32,
-    head size 64/128, 1-128 rows per KV head; 2-5x the flash kernel on DRAM-resident KV,
-    ``benchmarks/attention.py``), flash otherwise."""
+def _dense_kernel(q: Tensor, k: Tensor):
+    """The dense kernel's module where it applies to rows ``q`` over ``k`` (CPU, bf16/fp32, head
+    size 64/128, 1-128 rows per KV head; 2-5x the flash kernel on DRAM-resident KV,
+    ``benchmarks/attention.py``), else ``None``."""
     if (q.device.type == "cpu" and 1 <= q.shape[1] <= 128 and k.dtype in (torch.bfloat16, torch.float32)
-            and k.shape[-1] in (64, 128) and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1]
-            and (mod := kernels.build("dense_attention")) is not None):
+            and k.shape[-1] in (64, 128) and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1]):
+        return kernels.build("dense_attention")
+    return None
+
+
+def _dense_lse(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """:func:`_flash_lse` of query rows over dense entries (a decode token's GQA group): the dense
+    kernel where it applies, flash otherwise."""
+    if (mod := _dense_kernel(q, k)) is not None:
         return tuple(mod.dense_attention(q.float().contiguous(), k, v, scale))  # type: ignore[return-value]
     return _flash_lse(q, k, v, scale)
 
@@ -81,16 +87,21 @@ def attend(q: Tensor, k: Tensor, v: Tensor, n: int, scale: float,
         if prefix is not None:
             out, lse = _merge(out.float(), lse, *prefix)
         return out.to(v.dtype).reshape(1, hkv * g * d)
-    past = total - n
-    kb, vb = k[:, past:], v[:, past:]
-    s = (qh @ kb[:, None].transpose(-1, -2)).float() * scale  # [Hkv, g, n, n]
-    s.masked_fill_(torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
-    lse_b = s.logsumexp(-1)
-    out = (s - lse_b[..., None]).exp().to(vb.dtype) @ vb[:, None]  # [Hkv, g, n, D]
-    if past:
-        op, lse_p = _dense_lse(qh.reshape(hkv, g * n, d), k[:, :past], v[:, :past], scale)
-        op, lse_p = op.view(hkv, g, n, d), lse_p.view(hkv, g, n)
-        out, lse_b = _merge(op.float(), lse_p, out.float(), lse_b)
+    rows = qh.reshape(hkv, g * n, d)
+    if (mod := _dense_kernel(rows, k)) is not None:  # the entries before the block and its causal part in one pass
+        out, lse_b = mod.dense_attention(rows.float().contiguous(), k, v, scale, causal=n)
+        out, lse_b = out.view(hkv, g, n, d), lse_b.view(hkv, g, n)
+    else:
+        past = total - n
+        kb, vb = k[:, past:], v[:, past:]
+        s = (qh @ kb[:, None].transpose(-1, -2)).float() * scale  # [Hkv, g, n, n]
+        s.masked_fill_(torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
+        lse_b = s.logsumexp(-1)
+        out = (s - lse_b[..., None]).exp().to(vb.dtype) @ vb[:, None]  # [Hkv, g, n, D]
+        if past:
+            op, lse_p = _flash_lse(rows, k[:, :past], v[:, :past], scale)
+            op, lse_p = op.view(hkv, g, n, d), lse_p.view(hkv, g, n)
+            out, lse_b = _merge(op.float(), lse_p, out.float(), lse_b)
     if prefix is not None:
         po, plse = prefix
         out, _ = _merge(out.float(), lse_b, po.view(hkv, g, n, d), plse.view(hkv, g, n))

@@ -179,3 +179,28 @@ def test_the_dense_kernel_builds_and_agrees_with_flash():
     k, v = torch.randn(3, 700, 64, generator=g), torch.randn(3, 700, 64, generator=g)
     with pytest.raises(RuntimeError, match="head size 64 or 128"):
         mod.dense_attention(torch.randn(3, 51, 32), k[..., :32].bfloat16().contiguous(), v[..., :32].bfloat16().contiguous(), 0.125)
+
+
+@pytest.mark.parametrize("s,n", [(8201, 17), (1030, 17), (517, 5), (40, 40)])  # a block alone in the last tile; no past
+def test_the_dense_kernel_masks_a_verify_block_causally(s, n):
+    """causal=n: the last n entries are a block whose token i % n (row i) sees the entries up to
+    its own, as attend's two-part path (past + masked block, merged) computes it; every path and
+    dtype against float64."""
+    mod = kernels.build("dense_attention")
+    g = torch.Generator().manual_seed(s + n)
+    q = torch.randn(3, 3 * n, 64, generator=g).bfloat16().float()
+    k, v = torch.randn(3, s, 64, generator=g), torch.randn(3, s, 64, generator=g)
+    pos = torch.arange(3 * n) % n + (s - n)  # each row's own entry
+    visible = torch.arange(s)[None, :] <= pos[:, None]
+    for dtype, dps in ((torch.float32, (False,)), (torch.bfloat16, (True, False) if mod.dpbf16 else (False,))):
+        kc, vc = k.to(dtype), v.to(dtype)
+        scores = (q.double() @ kc.double().transpose(-1, -2) * 0.125).masked_fill(~visible, float("-inf"))
+        exact_lse = scores.logsumexp(-1)
+        exact = (scores - exact_lse[..., None]).exp() @ vc.double()
+        for dp in dps:
+            out, lse = mod.dense_attention(q, kc, vc, 0.125, dpbf16=dp, causal=n)
+            tol = 2e-2 if dp else 1e-5  # dp: q and the probabilities rounded to bf16
+            torch.testing.assert_close(out.double(), exact, atol=tol, rtol=tol)
+            torch.testing.assert_close(lse.double(), exact_lse, atol=tol, rtol=1e-5 if not dp else tol)
+    with pytest.raises(RuntimeError, match="block length dividing the rows"):
+        mod.dense_attention(q, k, v, 0.125, causal=n + 1)

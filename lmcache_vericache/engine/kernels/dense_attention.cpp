@@ -1,10 +1,11 @@
 // Attention of query rows over a dense bf16 / fp32 KV cache (engine/runtime.py: a decode token's GQA
-// group over the whole cache, a verify block's rows over the entries before the block).
+// group over the whole cache, a verify block's rows over the entries before it and its own).
 //
 // q [H, m, D] float32 (m rows per KV head: GQA group x block tokens), k / v [H, S, D] in the
 // cache's dtype (any head stride; tokens contiguous by D). Returns out [H, m, D] float32 =
-// softmax(scale q k^T) v and lse [H, m] (natural log-sum-exp of the scaled scores), unmasked: the
-// caller handles the block's causal part. Each K/V row is read once for all m rows (a verify reads
+// softmax(scale q k^T) v and lse [H, m] (natural log-sum-exp of the scaled scores). With causal = n
+// the last n entries are a block whose token i % n (row i) sees only the entries up to its own;
+// causal = 0 is unmasked. Each K/V row is read once for all m rows (a verify reads
 // the bytes of one decode step), the work is split over (head, tile of tokens) and the tiles are
 // merged by log-sum-exp (benchmarks/attention.py measures it against PyTorch's CPU flash kernel).
 //
@@ -53,8 +54,18 @@ typedef float v16 __attribute__((vector_size(64)));
 inline v16 load16(const float* p) { v16 r; std::memcpy(&r, p, sizeof r); return r; }
 inline void store16(float* p, v16 x) { std::memcpy(p, &x, sizeof x); }
 
+// A verify block's causal part: row i is the block's token i % n (n > 0), which sees the entries up
+// to its own; `first` is the tile's index of the block's first entry. Later entries get -inf.
+inline void mask_block(float* __restrict__ s, int64_t nt, int64_t mp, int64_t first, int64_t n) {
+  if (n == 0) return;
+  for (int64_t t = std::max<int64_t>(0, first + 1); t < nt; ++t)
+    for (int64_t i = 0; i < mp; ++i)
+      if (t - first > i % n) s[t * mp + i] = -INFINITY;
+}
+
 // Scores s [nt, mp] (token-major) -> softmax numerators exp(s - max) in place, with each row's max
-// and sum; vectorized across rows.
+// and sum; vectorized across rows. Masked (-inf) scores give exactly 0, a row masked throughout
+// the tile max -inf and sum 0 (no weight in the merge of tiles).
 inline void softmax_numerators(float* __restrict__ s, int64_t nt, int64_t mp, float* __restrict__ mx,
                                float* __restrict__ sum) {
   for (int64_t i = 0; i < mp; ++i) mx[i] = -INFINITY, sum[i] = 0.f;
@@ -62,7 +73,8 @@ inline void softmax_numerators(float* __restrict__ s, int64_t nt, int64_t mp, fl
     for (int64_t i = 0; i < mp; ++i) mx[i] = std::max(mx[i], s[t * mp + i]);
   for (int64_t t = 0; t < nt; ++t)
     for (int64_t i = 0; i < mp; ++i) {
-      const float e = exp_nonpositive(s[t * mp + i] - mx[i]);
+      const float x = s[t * mp + i];
+      const float e = x == -INFINITY ? 0.f : exp_nonpositive(x - mx[i]);
       s[t * mp + i] = e;
       sum[i] += e;
     }
@@ -79,7 +91,8 @@ inline uint32_t bf16_bits(float x) {
 // and the unnormalized output o [m, D].
 template <typename T, int D>
 void tile(const float* __restrict__ qt, int64_t m, int64_t mp, const T* __restrict__ k, const T* __restrict__ v,
-          int64_t nt, float* __restrict__ s, float* __restrict__ mx, float* __restrict__ sum, float* __restrict__ o) {
+          int64_t nt, int64_t first, int64_t n, float* __restrict__ s, float* __restrict__ mx, float* __restrict__ sum,
+          float* __restrict__ o) {
   // scores: qt is [D, mp] (scaled, zero-padded rows); kTok tokens share each q vector load
   float kf[kTok][D];
   for (int64_t t = 0; t < nt; t += kTok) {
@@ -95,6 +108,7 @@ void tile(const float* __restrict__ qt, int64_t m, int64_t mp, const T* __restri
       for (int u = 0; u < nu; ++u) store16(s + (t + u) * mp + ib, acc[u]);
     }
   }
+  mask_block(s, nt, mp, first, n);
   softmax_numerators(s, nt, mp, mx, sum);
   // o = p v, kOutRows rows at a time with their D / 16 accumulators each in registers
   constexpr int kV = D / 16;
@@ -127,7 +141,7 @@ inline u16x bf16_bits(v16 x) {
 // unscaled; p is a [ceil(nt/2), mp] scratch of bf16 probability pairs (p[t][i], p[t+1][i]).
 template <int D>
 void tile_dp(const uint32_t* __restrict__ qp, int64_t m, int64_t mp, const at::BFloat16* __restrict__ k,
-             const at::BFloat16* __restrict__ v, int64_t nt, float scale, float* __restrict__ s,
+             const at::BFloat16* __restrict__ v, int64_t nt, int64_t first, int64_t n, float scale, float* __restrict__ s,
              uint32_t* __restrict__ p, float* __restrict__ mx, float* __restrict__ sum, float* __restrict__ o) {
   const uint16_t* kb = reinterpret_cast<const uint16_t*>(k);
   const uint16_t* vb = reinterpret_cast<const uint16_t*>(v);
@@ -151,6 +165,7 @@ void tile_dp(const uint32_t* __restrict__ qp, int64_t m, int64_t mp, const at::B
     }
   }
   // softmax numerators (fp32) and their sums, then the probabilities as bf16 token pairs
+  mask_block(s, nt, mp, first, n);
   softmax_numerators(s, nt, mp, mx, sum);
   for (int64_t t = 0; t < nt; t += 2)
     for (int64_t ib = 0; ib < mp; ib += kRows) {
@@ -200,7 +215,7 @@ void tile_dp(const uint32_t* __restrict__ qp, int64_t m, int64_t mp, const at::B
 
 template <typename T, int D>
 std::vector<torch::Tensor> run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, float scale,
-                               bool use_dp) {
+                               bool use_dp, int64_t causal) {
   const int64_t H = q.size(0), m = q.size(1), S = k.size(1);
   const int64_t mp = (m + kRows - 1) / kRows * kRows;  // rows padded (a multiple of kOutRows too)
   const int64_t tiles = (S + kTile - 1) / kTile;
@@ -235,14 +250,15 @@ std::vector<torch::Tensor> run(const torch::Tensor& q, const torch::Tensor& k, c
 #if VERICACHE_DPBF16
       if constexpr (std::is_same_v<T, at::BFloat16>) {
         if (dp) {
-          tile_dp<D>(qpairs.data() + h * D / 2 * mp, m, mp, kp + h * ks + t0 * D, vp + h * vs + t0 * D, nt, scale,
+          tile_dp<D>(qpairs.data() + h * D / 2 * mp, m, mp, kp + h * ks + t0 * D, vp + h * vs + t0 * D, nt,
+                     S - causal - t0, causal, scale,
                      s.data(), p.data(), mxw, sumw, ow);
           continue;
         }
       }
 #endif
-      tile<T, D>(qt.data() + h * D * mp, m, mp, kp + h * ks + t0 * D, vp + h * vs + t0 * D, nt, s.data(), mxw,
-                 sumw, ow);
+      tile<T, D>(qt.data() + h * D * mp, m, mp, kp + h * ks + t0 * D, vp + h * vs + t0 * D, nt, S - causal - t0, causal,
+                 s.data(), mxw, sumw, ow);
     }
   });
   auto out = torch::empty({H, m, D}, q.options());
@@ -271,26 +287,29 @@ std::vector<torch::Tensor> run(const torch::Tensor& q, const torch::Tensor& k, c
 
 }  // namespace
 
-std::vector<torch::Tensor> dense_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, bool dpbf16) {
+std::vector<torch::Tensor> dense_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, bool dpbf16,
+                                           int64_t causal) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && q.is_contiguous() && q.dim() == 3, "q must be contiguous float32 [H, m, D]");
   TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() && k.dtype() == v.dtype(), "k, v must be [H, S, D] alike");
   const int64_t H = q.size(0), D = q.size(2);
   TORCH_CHECK(k.size(0) == H && k.size(2) == D && k.size(1) > 0 && q.size(1) > 0, "shape mismatch");
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == D && v.stride(2) == 1 && v.stride(1) == D,
               "k, v must have contiguous tokens of D elements");
+  TORCH_CHECK(causal >= 0 && causal <= k.size(1) && (causal == 0 || q.size(1) % causal == 0),
+              "causal must be a block length dividing the rows (GQA group x block tokens), got ", causal);
   const float sc = static_cast<float>(scale);
   if (k.dtype() == torch::kBFloat16) {
-    if (D == 64) return run<at::BFloat16, 64>(q, k, v, sc, dpbf16);
-    if (D == 128) return run<at::BFloat16, 128>(q, k, v, sc, dpbf16);
+    if (D == 64) return run<at::BFloat16, 64>(q, k, v, sc, dpbf16, causal);
+    if (D == 128) return run<at::BFloat16, 128>(q, k, v, sc, dpbf16, causal);
   } else if (k.dtype() == torch::kFloat32) {
-    if (D == 64) return run<float, 64>(q, k, v, sc, false);
-    if (D == 128) return run<float, 128>(q, k, v, sc, false);
+    if (D == 64) return run<float, 64>(q, k, v, sc, false, causal);
+    if (D == 128) return run<float, 128>(q, k, v, sc, false, causal);
   }
   TORCH_CHECK(false, "dense_attention: bf16 / fp32 with head size 64 or 128 only");
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_attention", &dense_attention, "attention of a block of query rows over a dense KV cache",
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("dpbf16") = true);
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("dpbf16") = true, py::arg("causal") = 0);
   m.attr("dpbf16") = static_cast<bool>(VERICACHE_DPBF16);  // bf16 caches can use vdpbf16ps (tile_dp)
 }
