@@ -61,10 +61,15 @@ class Int8Prefix:
                    [codes(heads, 0, head_dim, 4) for _ in range(layers)], [scales() for _ in range(layers)])
 
     def append(self, layer: int, kq: Tensor, ks: Tensor, vq: Tensor, vs: Tensor) -> None:
-        """Append one chunk's codes ``[H, n, D]`` and scales ``[H, n]`` (any float dtype) to a layer."""
+        """Append one chunk's codes ``[H, n, D]`` and scales ``[H, n]`` (any float dtype) to a layer.
+        Only a partly filled last block is re-blocked (chunks are whole blocks: none is), so laying
+        out a prefix chunk by chunk costs its bytes, not its length squared."""
         n = self.length(layer)
-        self.kq[layer] = _block_keys(torch.cat([_unblock_keys(self.kq[layer], n), kq], dim=1))
-        self.vq[layer] = _block_values(torch.cat([_unblock_values(self.vq[layer], n), vq], dim=1))
+        whole = n // BLOCK  # blocks kept as they are
+        keys = torch.cat([_unblock_keys(self.kq[layer][:, whole:], n - whole * BLOCK), kq], dim=1)
+        values = torch.cat([_unblock_values(self.vq[layer][:, 4 * whole:], n - whole * BLOCK), vq], dim=1)
+        self.kq[layer] = torch.cat([self.kq[layer][:, :whole], _block_keys(keys)], dim=1)
+        self.vq[layer] = torch.cat([self.vq[layer][:, :4 * whole], _block_values(values)], dim=1)
         self.ks[layer] = torch.cat([self.ks[layer], ks.float().reshape(ks.shape[0], -1)], dim=1).contiguous()
         self.vs[layer] = torch.cat([self.vs[layer], vs.float().reshape(vs.shape[0], -1)], dim=1).contiguous()
 
