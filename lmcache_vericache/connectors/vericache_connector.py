@@ -61,7 +61,6 @@ Tensor = torch.Tensor
 WHERE = "kv_connector_extra_config"
 
 
-
 @dataclass(frozen=True)
 class ConnectorOptions:
     """The connector's own keys of ``kv_connector_extra_config`` (the rest is the store config)."""

@@ -11,12 +11,12 @@ an HF ``*ForCausalLM`` or vLLM's module); this loop owns everything about the KV
   A batch can therefore mix 1-token draft steps of some requests with the verify blocks of others
   (staggering) in the same pass;
 * attention needs no materialized mask: a 1-token step attends to the whole cache; a block of n
-  tokens attends to the cache before it (with its log-sum-exp) and causally to itself
-  (a small n x n product), and the two parts are merged by log-sum-exp. On a CPU both a 1-token
-  step and a block's part before it run in the package's C++ kernel (``kernels/dense_attention.cpp``:
-  each K/V row read once for all rows of its KV head), 2-5x PyTorch's flash kernel at 8k entries
+  tokens attends to the cache before it and causally to itself. On a CPU both run in one pass of
+  the package's C++ kernel (``kernels/dense_attention.cpp``, ``causal=n`` for a block: each K/V
+  row read once for all rows of its KV head), 2-5x PyTorch's flash kernel at 8k entries
   of DRAM-resident KV (the flash kernel splits a decode step's 3 rows per KV head over too few
-  work items); full-KV decoding, the baseline of every benchmark, uses it too.
+  work items); full-KV decoding, the baseline of every benchmark, uses it too. Elsewhere the
+  block's part before it (flash) and its causal n x n part are merged by log-sum-exp.
 """
 
 from __future__ import annotations

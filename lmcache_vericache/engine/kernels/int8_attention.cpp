@@ -73,8 +73,6 @@ void attend_float(const float* __restrict__ q, const int8_t* __restrict__ kb, co
                   const int8_t* __restrict__ vb, const float* __restrict__ vs, int64_t T, float scale,
                   float* __restrict__ out, float* __restrict__ lse, float* __restrict__ s) {
   const int64_t nb = (T + kBlock - 1) / kBlock, Tp = nb * kBlock;
-  std::vector<float> kscale(ks, ks + T);
-  kscale.resize(Tp, 0.f);
   for (int64_t b = 0; b < nb; ++b) {
     f16v acc[M] = {};
     for (int g = 0; g < D / 4; ++g) {
@@ -84,7 +82,10 @@ void attend_float(const float* __restrict__ q, const int8_t* __restrict__ kb, co
         for (int i = 0; i < M; ++i) acc[i] += q[i * D + 4 * g + j] * kf;
       }
     }
-    const f16v kscaled = load_floats(kscale.data() + b * kBlock) * scale;
+    float tail[kBlock] = {};  // the last block's scales, zero-padded (no read past ks)
+    const int64_t t0 = b * kBlock;
+    if (t0 + kBlock > T) std::memcpy(tail, ks + t0, (T - t0) * sizeof(float));
+    const f16v kscaled = load_floats(t0 + kBlock <= T ? ks + t0 : tail) * scale;
     for (int i = 0; i < M; ++i) {
       const f16v si = acc[i] * kscaled;
       std::memcpy(s + i * Tp + b * kBlock, &si, sizeof si);
