@@ -44,8 +44,12 @@ def encode_full(t: torch.Tensor) -> bytes:
 
 
 def decode_full(buf: Buffer) -> torch.Tensor:
-    """Verify and parse. A writable ``buf`` (``bytearray``) is viewed without a copy and must not
-    be reused by the caller; a read-only one (``bytes``) is copied once."""
+    """Verify and parse. The tensor views ``buf`` without a copy: a writable ``buf`` must not be
+    reused by the caller, and a read-only one (``bytes``, e.g. the memory tier's value, which every
+    reader of that key shares) must not be written through the tensor. Every reader in this package
+    only copies a full chunk out (into a cache, a paged block, a LocalCPU object). Not copying
+    matters on the swap path: a fresh 6 MB buffer per chunk cost a page fault per 4 KB (a batch of
+    8 prefixes at 8k, 1.5 GB: 0.7 GB of faults, 2.9 s instead of 0.4 s, on this project's VM)."""
     mv = memoryview(buf).cast("B")
     size = mv.nbytes
     if size < _PREFIX.size + DIGEST_SIZE:
@@ -74,10 +78,8 @@ def decode_full(buf: Buffer) -> torch.Tensor:
     if digest(mv[:body]) != bytes(mv[body:]):
         raise CorruptChunkError("checksum mismatch: chunk is corrupted")
     raw = mv[data_at:body]
-    if mv.readonly:
-        raw = memoryview(bytearray(raw))
     if not raw.nbytes:
         return torch.empty(shape, dtype=dtype)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # read-only input: callers must not write into the view
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape)

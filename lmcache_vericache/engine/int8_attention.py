@@ -3,8 +3,9 @@
 A decode step is bound by the bytes it reads. A drafter whose prefix is stored as int8 codes with
 one scale per (head, token) (``compressors.int8`` and ``compose`` with ``quant="int8"``) reads 1 byte
 per element here instead of the model dtype's 2 or 4: the C++ kernel in ``kernels/`` reads each
-key/value code once for all query rows of its KV head (GQA groups x block tokens), and returns the
-log-sum-exp so the runtime merges this part with attention over the exact suffix. The codes are
+key/value code once for all query rows of its KV head (GQA groups x block tokens) and, given the
+draft cache's exact suffix, attends to it in the same call (exactly, in float) and merges both parts
+by log-sum-exp: one call per layer for the whole batch. The codes are
 kept in blocks of 16 tokens laid out for 4-byte integer dot products (:class:`Int8Prefix`): on CPUs
 with AVX512-VNNI the scores and the weighted values are ``vpdpbusd`` dot products (q and the
 weights rounded to 8 bits: drafting numerics), elsewhere codes are converted to float.
@@ -87,6 +88,7 @@ class Int8Prefix:
 
 BLOCK = 16
 HEAD_DIMS = (16, 32, 64, 128)  # the kernel's compiled head sizes
+DTYPES = (torch.float32, torch.bfloat16)  # model dtypes whose exact suffix the kernel reads
 
 
 def _padded(x: Tensor) -> Tensor:
@@ -117,22 +119,37 @@ def _unblock_values(vq: Tensor, n: int) -> Tensor:
     return vq.transpose(2, 3).reshape(h, g * 4, d)[:, :n]
 
 
-def attention(jobs: list[tuple[Tensor, Int8Prefix, int]], scale: float, vnni: bool = True) -> list[tuple[Tensor, Tensor]]:
+Suffix = tuple[Tensor, Tensor, int]  # exact keys, values [H, S, D] (rows contiguous) and causal block n
+
+
+def attention(jobs: list[tuple[Tensor, Int8Prefix, int]], scale: float, vnni: bool = True,
+              suffixes: list[Suffix] | None = None) -> list[tuple[Tensor, Tensor]]:
     """For each job ``(q [H, m, D], prefix, layer)``: attention of the query rows over that layer's
     int8 prefix, ``(out [H, m, D] float32, lse [H, m] float32)``. Jobs with an empty prefix give
     ``lse = -inf`` (no weight in a merge). ``vnni=False`` takes the kernel's float path on a CPU
     with AVX512-VNNI (exact up to float rounding; the VNNI path rounds q and the weights, see
-    ``kernels/int8_attention.cpp``)."""
+    ``kernels/int8_attention.cpp``).
+
+    ``suffixes`` (one per job): each job's exact suffix ``(k, v, n)``, float32 or bf16 ``[H, S, D]``,
+    attended in the same call and merged in: the result is then attention over prefix and suffix.
+    ``n`` is the causal block (the last ``n`` suffix entries are the rows' own tokens; row ``r`` is
+    block token ``r % n`` and sees the suffix up to itself); 0: every row sees the whole suffix."""
     mod = _module()
     if mod is None:
         raise RuntimeError("int8 attention kernel is not available")
-    run = [(i, q.float().contiguous(), p, li) for i, (q, p, li) in enumerate(jobs) if p.length(li)]
+    if suffixes is not None and len(suffixes) != len(jobs):
+        raise ValueError(f"{len(suffixes)} suffixes for {len(jobs)} jobs")
+    run = [i for i, (_, p, li) in enumerate(jobs) if suffixes is not None or p.length(li)]
     res: list[tuple[Tensor, Tensor] | None] = [None] * len(jobs)
     if run:
-        outs, lses = mod.int8_attention([q for _, q, _, _ in run], [p.kq[li] for _, _, p, li in run],
-                                        [p.ks[li] for _, _, p, li in run], [p.vq[li] for _, _, p, li in run],
-                                        [p.vs[li] for _, _, p, li in run], scale, vnni)
-        for (i, *_), o, lse in zip(run, outs, lses):
+        picked = [jobs[i] for i in run]
+        extra = {} if suffixes is None else dict(sk=[suffixes[i][0] for i in run], sv=[suffixes[i][1] for i in run],
+                                                 causal=[suffixes[i][2] for i in run])
+        outs, lses = mod.int8_attention([q.float().contiguous() for q, _, _ in picked],
+                                        [p.kq[li] for _, p, li in picked], [p.ks[li] for _, p, li in picked],
+                                        [p.vq[li] for _, p, li in picked], [p.vs[li] for _, p, li in picked],
+                                        scale, vnni, **extra)
+        for i, o, lse in zip(run, outs, lses):
             res[i] = (o, lse)
     for i, (q, _, _) in enumerate(jobs):
         if res[i] is None:

@@ -108,15 +108,31 @@ def attend(q: Tensor, k: Tensor, v: Tensor, n: int, scale: float,
     return out.to(v.dtype).permute(2, 0, 1, 3).reshape(n, hkv * g * d)
 
 
-def prefix_attention(jobs: list[tuple[Tensor, object, int]], scale: float) -> list[tuple[Tensor, Tensor]]:
-    """``(out, lse)`` of each job ``(q [Hkv, m, D], prefix, layer)`` over a draft cache's ``packed``
-    prefix: an :class:`~.int8_attention.Int8Prefix` (batched in one kernel call) or a
-    :class:`~.kvfetch.CertifiedPrefix`."""
-    res: list[tuple[Tensor, Tensor] | None] = [None] * len(jobs)
-    for kind, attention in ((Int8Prefix, int8_attention.attention), (CertifiedPrefix, kvfetch.attention)):
-        mine = [i for i, job in enumerate(jobs) if isinstance(job[1], kind)]
-        for i, out in zip(mine, attention([jobs[i] for i in mine], scale) if mine else []):
-            res[i] = out
+def prefix_attention(jobs: list[tuple[Tensor, object, int, Tensor, Tensor]], scale: float) -> list[Tensor]:
+    """Attention of each job ``(q [n, Hq, D], prefix, layer, k, v)`` over a draft cache's ``packed``
+    prefix and its exact entries ``k``/``v`` ``[Hkv, S, D]`` (the last ``n`` are the block's own:
+    causal), as :func:`attend` returns it (``[n, Hq*D]``, ``v``'s dtype). An
+    :class:`~.int8_attention.Int8Prefix` takes its exact entries into the same kernel call (one call
+    per layer for every job); a :class:`~.kvfetch.CertifiedPrefix` is merged with them by :func:`attend`."""
+    res: list[Tensor | None] = [None] * len(jobs)
+    rows = []
+    for q, _, _, k, _ in jobs:
+        n, hkv, d = q.shape[0], k.shape[0], k.shape[2]
+        rows.append(q.view(n, hkv, -1, d).permute(1, 2, 0, 3).reshape(hkv, -1, d))  # row j*n + i: member j, token i
+    int8 = [i for i, job in enumerate(jobs) if isinstance(job[1], Int8Prefix)]
+    if int8:
+        parts = int8_attention.attention([(rows[i], jobs[i][1], jobs[i][2]) for i in int8], scale,
+                                         suffixes=[(jobs[i][3], jobs[i][4], jobs[i][0].shape[0]) for i in int8])
+        for i, (out, _) in zip(int8, parts):
+            q, _, _, _, v = jobs[i]
+            n, hkv, d = q.shape[0], v.shape[0], v.shape[2]
+            res[i] = out.view(hkv, -1, n, d).permute(2, 0, 1, 3).reshape(n, -1).to(v.dtype)
+    certified = [i for i, job in enumerate(jobs) if isinstance(job[1], CertifiedPrefix)]
+    if certified:
+        parts = kvfetch.attention([(rows[i], jobs[i][1], jobs[i][2]) for i in certified], scale)
+        for i, part in zip(certified, parts):
+            q, _, _, k, v = jobs[i]
+            res[i] = attend(q, k, v, q.shape[0], scale, part)
     if any(x is None for x in res):
         raise TypeError(f"no attention for prefix {next(type(j[1]) for j, x in zip(jobs, res) if x is None)}")
     return res  # type: ignore[return-value]
@@ -183,21 +199,22 @@ class Runtime:
             k = k * cos + _rotate_half(k) * sin
             if capture_q:
                 captured.append(q[-capture_q:].transpose(0, 1))
-            # Prefixes attended by their own code (int8 codes, KVFetch): one call per kind and layer.
-            packed = prefix_attention(
-                [(q[o:o + s.n].view(s.n, hkv, -1, hd).permute(1, 2, 0, 3).reshape(hkv, -1, hd), s.cache.packed, li)
-                 for s, o in zip(segments, starts) if s.cache.packed is not None], self.scale) if any_packed else []
-            outs, off, pi = [], 0, 0
-            for seg in segments:
+            ends = []  # each segment's cache length in this layer once its new K/V are written
+            for seg, off in zip(segments, starts):
                 c, n = seg.cache, seg.n
                 at = c.length(li)
                 c.k[li, :, at:at + n] = k[off:off + n].transpose(0, 1)
                 c.v[li, :, at:at + n] = v[off:off + n].transpose(0, 1)
-                prefix = None
-                if c.packed is not None:
-                    prefix, pi = packed[pi], pi + 1
-                outs.append(attend(q[off:off + n], c.k[li, :, :at + n], c.v[li, :, :at + n], n, self.scale, prefix))
-                off += n
+                ends.append(at + n)
+            # Prefixes attended by their own code (int8 codes, KVFetch), with their exact entries:
+            # one call per kind and layer.
+            packed = iter(prefix_attention(
+                [(q[off:off + s.n], s.cache.packed, li, s.cache.k[li, :, :end], s.cache.v[li, :, :end])
+                 for s, off, end in zip(segments, starts, ends) if s.cache.packed is not None], self.scale)
+                if any_packed else [])
+            outs = [next(packed) if seg.cache.packed is not None else
+                    attend(q[off:off + seg.n], seg.cache.k[li, :, :end], seg.cache.v[li, :, :end], seg.n, self.scale)
+                    for seg, off, end in zip(segments, starts, ends)]
             x = x + m.o_proj(li, outs[0] if len(outs) == 1 else torch.cat(outs))
             x = x + m.mlp(li, m.post_attention_norm(li, x))
         for seg in segments:

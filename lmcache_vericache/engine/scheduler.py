@@ -176,10 +176,12 @@ class VeriCacheEngine:
                 raise ValueError(f"int8_draft needs a compressor that stores int8 codes on CPU, not "
                                  f"{self.compressor.name} on {self.rt.device.type}")
             return False
-        if not int8_attention.available() or self.rt.head_dim not in int8_attention.HEAD_DIMS:
+        if (not int8_attention.available() or self.rt.head_dim not in int8_attention.HEAD_DIMS
+                or self.rt.dtype not in int8_attention.DTYPES):
             if wanted:
                 raise ValueError(f"int8_draft: the int8 attention kernel could not be built (see the log) or "
-                                 f"does not take head size {self.rt.head_dim} (it takes {int8_attention.HEAD_DIMS})")
+                                 f"does not take head size {self.rt.head_dim} / {self.rt.dtype} (it takes "
+                                 f"{int8_attention.HEAD_DIMS} / {int8_attention.DTYPES})")
             return False
         return True
 

@@ -82,6 +82,55 @@ def test_merged_attention_equals_attention_over_the_union():
     torch.testing.assert_close(got1, attend(q[-1:], full_k, full_v, 1, 0.125), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("vnni,tol", PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,past,n,g", [(300, 20, 5, 3), (40, 1, 1, 3), (17, 3, 3, 3), (1000, 30, 1, 9),
+                                        (64, 8, 4, 3), (0, 7, 1, 3), (0, 12, 4, 2)])
+def test_kernel_with_the_exact_suffix_equals_attention_over_the_union(t, past, n, g, dtype, vnni, tol):
+    """A draft step's whole attention in one call: the int8 prefix (t tokens, none for t = 0) and the
+    draft cache's exact entries (past + the block's own n, causal), against float64 attention over
+    [dequantized prefix, exact entries]; 12 rows (n = 4, g = 3) take two passes of the kernel."""
+    gen = torch.Generator().manual_seed(t + past + n)
+    hkv, d = 3, 64
+    prefix = int8_attention.Int8Prefix.empty(1, hkv, d)
+    if t:
+        (kq, ks), (vq, vs) = _quantized(hkv, t, d, gen), _quantized(hkv, t, d, gen)
+        prefix.append(0, kq, ks, vq, vs)
+        pk, pv = kq.double() * ks[..., None], vq.double() * vs[..., None]
+    else:
+        pk = pv = torch.zeros(hkv, 0, d, dtype=torch.float64)
+    # the exact entries as the runtime passes them: a view of a longer cache buffer
+    kbuf, vbuf = (torch.randn(hkv, past + n + 9, d, generator=gen).to(dtype) for _ in range(2))
+    k, v = kbuf[:, :past + n], vbuf[:, :past + n]
+    q = torch.randn(n, hkv * g, d, generator=gen) * 2
+    rows = q.view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d)
+    [(out, lse)] = int8_attention.attention([(rows, prefix, 0)], 0.125, vnni=vnni, suffixes=[(k, v, n)])
+    got = out.view(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, hkv * g * d)
+    want = attend(q.double(), torch.cat([pk, k.double()], 1), torch.cat([pv, v.double()], 1), n, 0.125)
+    torch.testing.assert_close(got.double(), want, atol=tol[0], rtol=tol[1])
+    # lse of row (member j, token i) over everything it sees
+    full_k = torch.cat([pk, k.double()], 1)
+    scores = rows.double() @ full_k.transpose(1, 2) * 0.125
+    seen = t + past + 1 + torch.arange(g * n) % n
+    scores[torch.arange(full_k.shape[1])[None, None] >= seen[None, :, None].expand(hkv, -1, -1)] = float("-inf")
+    torch.testing.assert_close(lse.double(), scores.logsumexp(-1), atol=tol[0], rtol=tol[1])
+
+
+def test_kernel_refuses_a_suffix_it_cannot_read():
+    hkv, d = 3, 64
+    prefix = int8_attention.Int8Prefix.empty(1, hkv, d)
+    q = torch.randn(hkv, 3 * 4, d)
+    k = torch.randn(hkv, 3, d)
+    with pytest.raises(ValueError, match="suffixes for"):
+        int8_attention.attention([(q, prefix, 0)], 0.125, suffixes=[])
+    with pytest.raises(RuntimeError, match="causal block"):  # 4 block tokens, 3 exact entries
+        int8_attention.attention([(q, prefix, 0)], 0.125, suffixes=[(k, k, 4)])
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        int8_attention.attention([(q, prefix, 0)], 0.125, suffixes=[(k.half(), k.half(), 1)])
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        int8_attention.attention([(q, prefix, 0)], 0.125, suffixes=[(torch.randn(hkv, d, 3).transpose(1, 2), k, 1)])
+
+
 @pytest.mark.parametrize("method", [("int8", {}), ("compose", {"evict": "streamingllm", "quant": "int8",
                                                                "evict_params": {"keep_ratio": 0.5}})])
 @pytest.mark.parametrize("full_kv", ["resident", "offload"])

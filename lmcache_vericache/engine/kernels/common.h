@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include <c10/util/BFloat16.h>
+
 namespace vericache {
 
 // exp(x) for x <= 0 from 2^x = 2^n * 2^f, with a degree-6 polynomial for 2^f on [0, 1) (relative
@@ -27,6 +29,14 @@ inline float exp_nonpositive(float x) {
   float r;
   std::memcpy(&r, &bits, sizeof r);
   return r;
+}
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
 }
 
 }  // namespace vericache

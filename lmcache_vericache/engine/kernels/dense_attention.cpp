@@ -34,19 +34,12 @@
 namespace {
 
 using vericache::exp_nonpositive;
+using vericache::to_float;
 
 constexpr int64_t kTile = 512;  // tokens per work item
 constexpr int kRows = 16;       // query rows per score vector (one AVX-512 register of floats)
 constexpr int kTok = 4;         // tokens scored together (share each q load)
 constexpr int kOutRows = 4;     // query rows per output register block (4 x D/16 accumulators)
-
-inline float to_float(float x) { return x; }
-inline float to_float(at::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
 
 // 16 floats as one vector (GCC/Clang vector extension: one AVX-512 register, two AVX2 ones); a
 // scalar operand is broadcast. Explicit vectors keep the accumulators in registers.

@@ -7,8 +7,16 @@
 // a value group of 4 tokens holds, per dimension, their 4 codes: the 4-byte runs VNNI's u8 x s8
 // dot products (vpdpbusd) take, and one 64-byte run per vector in either path. Returns, per job,
 // out [H, m, D] = softmax(scale * q k^T) v and lse [H, m] (natural log-sum-exp of the scaled
-// scores) so the caller can merge this part with attention over other entries. The codes are read
-// once per (head, token) for all m rows: 1 byte per element instead of 2 or 4.
+// scores). The codes are read once per (head, token) for all m rows: 1 byte per element instead of
+// 2 or 4.
+//
+// A job may also bring its draft cache's exact suffix, sk[j] / sv[j] [H, S, D] (float32 or bf16,
+// rows contiguous; S may be 0) with its causal block size causal[j] = n: row i (block token i % n)
+// sees the suffix's first S - n + 1 + i % n entries (n = 0: all of them). That part is attended
+// exactly in float and merged into out / lse here, so a draft step's attention over "prefix codes +
+// exact window" is one call per layer for the whole batch (it was a kernel call and a log-sum-exp
+// merge per request and layer in PyTorch: about a quarter of a batch-8 draft step at 8k). An empty
+// prefix (T = 0) gives out = 0, lse = -inf before that merge.
 //
 // With AVX512-VNNI (attend_vnni) the scores are integer dot products of the codes with q rounded
 // to int8 (one scale per row), and p v integer dot products of the value codes with the weights
@@ -35,6 +43,7 @@
 namespace {
 
 using vericache::exp_nonpositive;
+using vericache::to_float;
 
 constexpr int64_t kBlock = 16;  // tokens per key block: one AVX-512 vector of scores
 constexpr int kMaxRows = 8;     // query rows per pass (more rows: several passes over the codes)
@@ -236,13 +245,69 @@ void attend_head(const float* q, int64_t m, const int8_t* kb, const float* ks, c
   }
 }
 
+// Merge the exact suffix k / v [S, D] (one head; rows ld elements apart) into m rows' out / lse.
+// Row i sees the first S - n + 1 + i % n entries (n = 0: all S). w: scratch of S floats.
+template <typename E, int D>
+void merge_suffix(const float* __restrict__ q, int64_t m, const E* __restrict__ k, const E* __restrict__ v,
+                  int64_t ld, int64_t S, int64_t n, float scale, float* __restrict__ out, float* __restrict__ lse,
+                  float* __restrict__ w) {
+  for (int64_t i = 0; i < m; ++i) {
+    const float* __restrict__ qi = q + i * D;
+    const int64_t seen = n > 0 ? S - n + 1 + i % n : S;
+    float top = lse[i];
+    for (int64_t t = 0; t < seen; ++t) {
+      const E* __restrict__ kt = k + t * ld;
+      float dot = 0.f;
+      for (int d = 0; d < D; ++d) dot += qi[d] * to_float(kt[d]);
+      w[t] = dot * scale;
+      top = w[t] > top ? w[t] : top;
+    }
+    if (seen <= 0) continue;  // nothing to merge (the caller checks S >= n, so never)
+    const float wp = std::isinf(lse[i]) ? 0.f : exp_nonpositive(lse[i] - top);  // -inf: empty prefix
+    float acc[D];
+    float* __restrict__ oi = out + i * D;
+    for (int d = 0; d < D; ++d) acc[d] = oi[d] * wp;
+    float total = wp;
+    for (int64_t t = 0; t < seen; ++t) {
+      const float e = exp_nonpositive(w[t] - top);
+      const E* __restrict__ vt = v + t * ld;
+      for (int d = 0; d < D; ++d) acc[d] += e * to_float(vt[d]);
+      total += e;
+    }
+    for (int d = 0; d < D; ++d) oi[d] = acc[d] / total;
+    lse[i] = top + std::log(total);
+  }
+}
+
+// A job's exact suffix of one head, by element type (float32 or bf16).
+template <int D>
+void merge_suffix_head(const float* q, int64_t m, const torch::Tensor& sk, const torch::Tensor& sv, int64_t h,
+                       int64_t n, float scale, float* out, float* lse, std::vector<float>& w) {
+  const int64_t S = sk.size(1), ld = sk.stride(1);
+  if (S == 0) return;
+  w.resize(static_cast<size_t>(S));
+  if (sk.scalar_type() == torch::kBFloat16) {
+    const auto* k = sk.data_ptr<at::BFloat16>() + h * sk.stride(0);
+    const auto* v = sv.data_ptr<at::BFloat16>() + h * sv.stride(0);
+    merge_suffix<at::BFloat16, D>(q, m, k, v, ld, S, n, scale, out, lse, w.data());
+  } else {
+    merge_suffix<float, D>(q, m, sk.data_ptr<float>() + h * sk.stride(0), sv.data_ptr<float>() + h * sv.stride(0),
+                           ld, S, n, scale, out, lse, w.data());
+  }
+}
+
 }  // namespace
 
 std::vector<std::vector<torch::Tensor>> int8_attention(std::vector<torch::Tensor> q, std::vector<torch::Tensor> kq,
                                                        std::vector<torch::Tensor> ks, std::vector<torch::Tensor> vq,
-                                                       std::vector<torch::Tensor> vs, double scale, bool vnni) {
+                                                       std::vector<torch::Tensor> vs, double scale, bool vnni,
+                                                       std::vector<torch::Tensor> sk, std::vector<torch::Tensor> sv,
+                                                       std::vector<int64_t> causal) {
   const size_t jobs = q.size();
   TORCH_CHECK(kq.size() == jobs && ks.size() == jobs && vq.size() == jobs && vs.size() == jobs, "job count mismatch");
+  const bool suffix = !sk.empty();
+  TORCH_CHECK(!suffix || (sk.size() == jobs && sv.size() == jobs && causal.size() == jobs),
+              "sk, sv and causal must be given for every job or for none");
   std::vector<torch::Tensor> outs(jobs), lses(jobs);
   std::vector<std::pair<size_t, int64_t>> work;  // (job, head)
   for (size_t j = 0; j < jobs; ++j) {
@@ -254,7 +319,16 @@ std::vector<std::vector<torch::Tensor>> int8_attention(std::vector<torch::Tensor
     const int64_t H = q[j].size(0), m = q[j].size(1), D = q[j].size(2), T = ks[j].size(1);
     const int64_t nb = (T + kBlock - 1) / kBlock;
     TORCH_CHECK(D == 16 || D == 32 || D == 64 || D == 128, "head size must be 16, 32, 64 or 128, got ", D);
-    TORCH_CHECK(T > 0, "no keys");
+    if (suffix) {
+      TORCH_CHECK(sk[j].dim() == 3 && sk[j].size(0) == H && sk[j].size(2) == D && sv[j].sizes() == sk[j].sizes() &&
+                  sk[j].stride(2) == 1 && sv[j].stride(2) == 1 && sv[j].strides() == sk[j].strides(),
+                  "suffix keys / values must be [H, S, D] with contiguous rows and the same strides");
+      TORCH_CHECK((sk[j].scalar_type() == torch::kFloat32 || sk[j].scalar_type() == torch::kBFloat16) &&
+                  sv[j].scalar_type() == sk[j].scalar_type(), "suffix keys / values must be float32 or bfloat16");
+      TORCH_CHECK(causal[j] >= 0 && causal[j] <= sk[j].size(1) && (causal[j] == 0 || m % causal[j] == 0),
+                  "causal block n must be in [0, S] and divide the rows");
+    }
+    TORCH_CHECK(T > 0 || suffix, "no keys");
     TORCH_CHECK(ks[j].size(0) == H && vs[j].sizes() == ks[j].sizes(), "scales must be [H, T]");
     TORCH_CHECK(kq[j].dim() == 5 && kq[j].size(0) == H && kq[j].size(1) == nb && kq[j].size(2) == D / 4 &&
                 kq[j].size(3) == kBlock && kq[j].size(4) == 4, "keys must be blocked [H, ceil(T/16), D/4, 16, 4]");
@@ -266,7 +340,7 @@ std::vector<std::vector<torch::Tensor>> int8_attention(std::vector<torch::Tensor
   }
   vnni = vnni && VERICACHE_VNNI;
   at::parallel_for(0, static_cast<int64_t>(work.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s;
+    std::vector<float> s, seen_w;
     for (int64_t w = begin; w < end; ++w) {
       const size_t j = work[w].first;
       const int64_t h = work[w].second;
@@ -280,11 +354,18 @@ std::vector<std::vector<torch::Tensor>> int8_attention(std::vector<torch::Tensor
       float* oh = outs[j].data_ptr<float>() + h * m * D;
       float* lh = lses[j].data_ptr<float>() + h * m;
       const float sc = static_cast<float>(scale);
+      if (T == 0) {  // nothing packed yet: the suffix alone
+        std::fill(oh, oh + m * D, 0.f);
+        std::fill(lh, lh + m, -INFINITY);
+      }
       switch (D) {
-        case 16: attend_head<16>(qh, m, kh, ksh, vh, vsh, T, sc, vnni, oh, lh, s.data()); break;
-        case 32: attend_head<32>(qh, m, kh, ksh, vh, vsh, T, sc, vnni, oh, lh, s.data()); break;
-        case 64: attend_head<64>(qh, m, kh, ksh, vh, vsh, T, sc, vnni, oh, lh, s.data()); break;
-        default: attend_head<128>(qh, m, kh, ksh, vh, vsh, T, sc, vnni, oh, lh, s.data()); break;
+#define VERICACHE_HEAD(DIM)                                                                        \
+  case DIM:                                                                                        \
+    if (T > 0) attend_head<DIM>(qh, m, kh, ksh, vh, vsh, T, sc, vnni, oh, lh, s.data());           \
+    if (suffix) merge_suffix_head<DIM>(qh, m, sk[j], sv[j], h, causal[j], sc, oh, lh, seen_w);        \
+    break;
+        VERICACHE_HEAD(16) VERICACHE_HEAD(32) VERICACHE_HEAD(64) VERICACHE_HEAD(128)
+#undef VERICACHE_HEAD
       }
     }
   });
@@ -293,6 +374,8 @@ std::vector<std::vector<torch::Tensor>> int8_attention(std::vector<torch::Tensor
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_attention", &int8_attention, "attention over int8 KV codes with per-(head, token) scales",
-        py::arg("q"), py::arg("kq"), py::arg("ks"), py::arg("vq"), py::arg("vs"), py::arg("scale"), py::arg("vnni") = true);
+        py::arg("q"), py::arg("kq"), py::arg("ks"), py::arg("vq"), py::arg("vs"), py::arg("scale"), py::arg("vnni") = true,
+        py::arg("sk") = std::vector<torch::Tensor>{}, py::arg("sv") = std::vector<torch::Tensor>{},
+        py::arg("causal") = std::vector<int64_t>{});
   m.attr("vnni") = static_cast<bool>(VERICACHE_VNNI);
 }
