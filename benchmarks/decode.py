@@ -209,8 +209,9 @@ def main() -> None:
     ap.add_argument("--full-kv", default="auto", choices=["auto", "resident", "offload"],
                     help="where the full KV lives between verifications (engine full_kv)")
     ap.add_argument("--step-reps", type=int, default=3, help="repeats of each timed step (median; 0: skip them)")
-    ap.add_argument("--stagger", default="on", choices=["on", "off"],
-                    help="off: lock step (every request drafts, then all verify in one forward)")
+    ap.add_argument("--stagger", default="auto", choices=["auto", "on", "off"],
+                    help="off: lock step (every request drafts, then all verify in one forward); auto: the "
+                         "engine's default (lock step with the full KV resident, staggered in offload)")
     ap.add_argument("--int8-draft", default="auto", choices=["auto", "off"],
                     help="int8 drafters attend over the codes with the int8 kernel (auto) or a dequantized copy")
     ap.add_argument("--reps", type=int, default=1)
@@ -279,7 +280,7 @@ def main() -> None:
                             # A fresh engine per repeat (computed prefix: and store): a reused one would
                             # find the prompt's prefix in its own store and skip the prefill the baseline pays.
                             eng = VeriCacheEngine(model, m if not stored else None, params if not stored else None,
-                                                  draft_len=draft_len, full_kv=args.full_kv, stagger=args.stagger == "on",
+                                                  draft_len=draft_len, full_kv=args.full_kv, stagger={"on": True, "off": False}.get(args.stagger, "auto"),
                                                   store=store if stored else "resident" if args.source == "resident" else None,
                                                   int8_draft=False if args.int8_draft == "off" else None)
                             s, out = timed(lambda eng=eng, ps=ps, sampling=sampling: eng.generate(

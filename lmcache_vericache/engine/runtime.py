@@ -189,7 +189,6 @@ class Runtime:
         cos, sin = m.rope(positions)
         cos, sin = cos[:, None], sin[:, None]  # [N, 1, D]: one rotation for every head
         captured = []
-        hkv, hd = self.num_kv_heads, self.head_dim
         starts = [sum(s.n for s in segments[:i]) for i in range(len(segments))]
         any_packed = any(s.cache.packed is not None for s in segments)
         for li in range(self.num_layers):

@@ -22,8 +22,13 @@ the exact full prefix and the first emitted token is the target's own (lossless 
 
 Many requests run as one flat batch per step. With ``stagger`` they are not held in lock step:
 each request drafts or verifies on its own schedule (half of them start with a half-length round),
-so some draft while others verify and the swaps spread out. Scheduling changes speed, never tokens:
-each request's tokens depend only on its own caches.
+so some draft while others verify and the swaps spread out. ``stagger="auto"`` (default) staggers
+only in offload, where the verify pool and the per-round swaps need spreading; with the full KV
+resident the batch runs in lock step: its draft forwards then read only the compressed KV (a
+staggered draft forward also carries other requests' verify rows), and at 8k / batch 8 lock step
+was the faster mode in every comparison since the draft step became one kernel call per layer
+(README, "Where VeriCache pays"). Scheduling changes speed, never tokens: each request's tokens
+depend only on its own caches.
 """
 
 from __future__ import annotations
@@ -91,7 +96,7 @@ class VeriCacheEngine:
                  compressor_params: dict[str, Any] | None = None, *, chunk_size: int = 256,
                  draft_len: DraftLen = 16, max_draft_len: int = 64,
                  store: DualTierStore | StoreConfig | Mapping[str, Any] | str | None = None,
-                 stagger: bool = True, ngram: NgramProposer | None = None, query_window: int = 32,
+                 stagger: bool | str = "auto", ngram: NgramProposer | None = None, query_window: int = 32,
                  eos_ids: set[int] | None = None, model_id: str | None = None, full_kv: str = "auto",
                  kv_budget_bytes: int | None = None, verify_buffers: int | None = None,
                  int8_draft: bool | None = None, mode: str | None = None,
@@ -100,6 +105,7 @@ class VeriCacheEngine:
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         check_draft_len(draft_len, max_draft_len)
+        _check_stagger(stagger)
         check_residency(full_kv, kv_budget_bytes, verify_buffers)
         self.full_kv, self.kv_budget_bytes, self.verify_buffers = full_kv, kv_budget_bytes, verify_buffers
         #: Facts of the last ``generate()``: resolved mode, verify buffers, most requests at once, peak KV.
@@ -203,7 +209,7 @@ class VeriCacheEngine:
     # -- public API -------------------------------------------------------------------------------
     def generate(self, prompts: Prompts, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, draft_len: DraftLen | None = None,
-                 stagger: bool | None = None, on_round: Callable[[Request], None] | None = None) -> list[Result]:
+                 stagger: bool | str | None = None, on_round: Callable[[Request], None] | None = None) -> list[Result]:
         """Decode every prompt (token ids) with draft/verify; request i samples with seed ``seed + i``.
         ``on_round(request)`` runs after each round's commit (observability and tests).
 
@@ -212,9 +218,11 @@ class VeriCacheEngine:
         sampling = Sampling(temperature, top_k, top_p)
         draft_len = self.draft_len if draft_len is None else draft_len
         check_draft_len(draft_len, self.max_draft_len)
-        stagger = self.stagger if stagger is None else stagger
+        stagger = self.stagger if stagger is None else _check_stagger(stagger)
         batch = self._batch(prompts, max_new_tokens)
         res = self._residency(batch, max_new_tokens, self.full_kv)
+        if stagger == "auto":
+            stagger = res.offload
         pending, reqs, t_begin = list(range(len(batch))), [], time.perf_counter()
         self.last_run = dict(full_kv=res.mode, verify_buffers=res.pool.count if res.pool else 0,
                              max_active=0, peak_kv_bytes=0)
@@ -581,6 +589,12 @@ class VeriCacheEngine:
         r.stats.new_tokens = len(r.out)
         if r.remaining <= 0:
             r.done = True
+
+
+def _check_stagger(stagger: Any) -> bool | str:
+    if not (isinstance(stagger, bool) or stagger == "auto"):
+        raise ValueError(f"stagger must be True, False or 'auto', got {stagger!r}")
+    return stagger
 
 
 def _as_batch(prompts: Prompts, vocab: int) -> list[list[int]]:

@@ -107,9 +107,14 @@ def test_lock_step_shares_one_horizon(tiny_model):
         rounds = min(len(o.stats.drafted) for o in out) - 1  # the last rounds are cut by max_new_tokens
         return [{o.stats.drafted[i] for o in out} for i in range(rounds)]
 
-    lock, staggered = drafted_per_round(False), drafted_per_round(True)
+    lock, staggered, auto = drafted_per_round(False), drafted_per_round(True), drafted_per_round("auto")
     assert len(lock) >= 3 and all(len(s) == 1 for s in lock)
     assert any(len(s) > 1 for s in staggered)
+    assert len(auto) >= 3 and all(len(s) == 1 for s in auto)  # resident: the default is lock step
+    with pytest.raises(ValueError, match="stagger must be"):
+        _eng(tiny_model, stagger="yes")
+    with pytest.raises(ValueError, match="stagger must be"):
+        _eng(tiny_model).generate(prompts, 4, stagger=1)
 
 
 def test_auto_horizon_falls_back_to_plain_decoding_where_drafting_does_not_pay():
