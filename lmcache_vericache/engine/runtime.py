@@ -7,7 +7,8 @@ an HF ``*ForCausalLM`` or vLLM's module); this loop owns everything about the KV
   rolling back a rejected draft is just moving a length back;
 * positions are explicit (a draft cache holds an evicted prefix, so buffer index != position);
 * one forward takes a flat batch of *segments*, each a run of tokens of one request over one
-  cache (nano-vllm style): linear layers see all tokens together, attention runs per segment.
+  cache (nano-vllm style): linear layers see all tokens together, attention runs per segment
+  (draft caches with an int8 prefix: all of them in one kernel call per layer, exact window included).
   A batch can therefore mix 1-token draft steps of some requests with the verify blocks of others
   (staggering) in the same pass;
 * attention needs no materialized mask: a 1-token step attends to the whole cache; a block of n
