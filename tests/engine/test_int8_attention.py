@@ -105,14 +105,12 @@ def test_kernel_with_the_exact_suffix_equals_attention_over_the_union(t, past, n
     q = torch.randn(n, hkv * g, d, generator=gen) * 2
     rows = q.view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d)
     [(out, lse)] = int8_attention.attention([(rows, prefix, 0)], 0.125, vnni=vnni, suffixes=[(k, v, n)])
-    got = out.view(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, hkv * g * d)
-    want = attend(q.double(), torch.cat([pk, k.double()], 1), torch.cat([pv, v.double()], 1), n, 0.125)
-    torch.testing.assert_close(got.double(), want, atol=tol[0], rtol=tol[1])
-    # lse of row (member j, token i) over everything it sees
-    full_k = torch.cat([pk, k.double()], 1)
-    scores = rows.double() @ full_k.transpose(1, 2) * 0.125
+    # row j*n + i (member j, block token i) sees the prefix and the exact entries up to its own token
+    full_k, full_v = torch.cat([pk, k.double()], 1), torch.cat([pv, v.double()], 1)
     seen = t + past + 1 + torch.arange(g * n) % n
-    scores[torch.arange(full_k.shape[1])[None, None] >= seen[None, :, None].expand(hkv, -1, -1)] = float("-inf")
+    hidden = torch.arange(full_k.shape[1])[None, :] >= seen[:, None]
+    scores = (rows.double() @ full_k.transpose(1, 2) * 0.125).masked_fill(hidden, float("-inf"))
+    torch.testing.assert_close(out.double(), scores.softmax(-1) @ full_v, atol=tol[0], rtol=tol[1])
     torch.testing.assert_close(lse.double(), scores.logsumexp(-1), atol=tol[0], rtol=tol[1])
 
 
@@ -140,8 +138,9 @@ def test_packed_int8_drafter_is_lossless_and_reads_fewer_bytes(tiny_model, metho
     dense = VeriCacheEngine(tiny_model, *method, chunk_size=64, draft_len=6, full_kv=full_kv, int8_draft=False)
     assert eng.int8_draft and not dense.int8_draft
     ref = eng.reference(prompts, 60)
-    def prefix_bytes(c):  # what a draft step reads of the compressed prefix
-        return c.packed.nbytes if c.packed is not None else sum(c.base) * 2 * c.k[0].numel() // c.k.shape[2] * c.k.element_size()
+
+    def prefix_bytes(c):  # what a draft step reads of the compressed prefix: codes, or dense K and V
+        return c.packed.nbytes if c.packed is not None else sum(c.base) * 2 * c.k.shape[1] * c.k.shape[3] * c.k.element_size()
 
     seen, dense_seen = {}, {}  # request -> (packed, bytes read, prefix bytes) after its first round
     out = eng.generate(prompts, 60, on_round=lambda r: seen.setdefault(

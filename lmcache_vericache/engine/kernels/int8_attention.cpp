@@ -246,7 +246,8 @@ void attend_head(const float* q, int64_t m, const int8_t* kb, const float* ks, c
 }
 
 // Merge the exact suffix k / v [S, D] (one head; rows ld elements apart) into m rows' out / lse.
-// Row i sees the first S - n + 1 + i % n entries (n = 0: all S). w: scratch of S floats.
+// Row i sees the first S - n + 1 + i % n entries (n = 0: all S; the caller checks S >= max(n, 1), so
+// every row sees at least one). w: scratch of S floats.
 template <typename E, int D>
 void merge_suffix(const float* __restrict__ q, int64_t m, const E* __restrict__ k, const E* __restrict__ v,
                   int64_t ld, int64_t S, int64_t n, float scale, float* __restrict__ out, float* __restrict__ lse,
@@ -262,7 +263,6 @@ void merge_suffix(const float* __restrict__ q, int64_t m, const E* __restrict__ 
       w[t] = dot * scale;
       top = w[t] > top ? w[t] : top;
     }
-    if (seen <= 0) continue;  // nothing to merge (the caller checks S >= n, so never)
     const float wp = std::isinf(lse[i]) ? 0.f : exp_nonpositive(lse[i] - top);  // -inf: empty prefix
     float acc[D];
     float* __restrict__ oi = out + i * D;
