@@ -33,8 +33,11 @@ def _cpu_flags() -> str:
 
 
 @functools.cache
-def build(name: str) -> Any | None:
-    """The compiled module of ``kernels/<name>.cpp``, or ``None`` where it cannot be built."""
+def build(name: str, vec_width: int | None = None) -> Any | None:
+    """The compiled module of ``kernels/<name>.cpp``, or ``None`` where it cannot be built.
+
+    ``vec_width`` (4, 8 or 16 floats) overrides the vector width the kernels take from the CPU
+    (``common.h``): tests build the other widths' code on one machine (slower there, same results)."""
     if os.environ.get("VERICACHE_NO_KERNELS"):
         logger.info("VERICACHE_NO_KERNELS is set: %s kernel off", name)
         return None
@@ -47,10 +50,11 @@ def build(name: str) -> Any | None:
         # activation does not have on its PATH.
         os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), path])
         # -march=native: the build is only valid on this kind of CPU, so its flags name it.
+        cflags = _CFLAGS + ([f"-DVERICACHE_VEC_WIDTH={int(vec_width)}"] if vec_width else [])
         parts = [source.read_bytes(), *(h.read_bytes() for h in sorted(_DIR.glob("*.h"))),
-                 " ".join(_CFLAGS).encode(), _cpu_flags().encode()]
+                 " ".join(cflags).encode(), _cpu_flags().encode()]
         tag = hashlib.sha256(b"\0".join(parts)).hexdigest()[:12]
-        return load(name=f"vericache_{name}_{tag}", sources=[str(source)], extra_cflags=_CFLAGS,
+        return load(name=f"vericache_{name}_{tag}", sources=[str(source)], extra_cflags=cflags,
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no headers, a build error: fall back, say so once
         logger.warning("%s kernel unavailable, using the PyTorch path: %s", name, e)

@@ -9,6 +9,28 @@
 
 namespace vericache {
 
+// Floats per vector: the target's register width. GCC/Clang lower a vector extension type wider
+// than the registers through general-purpose registers and the stack, not as a pair of registers:
+// the kernels' 16-float vectors on an AVX2-only CPU ran 3-5x slower than PyTorch's flash kernel.
+// -DVERICACHE_VEC_WIDTH=N builds another width (tests check the 16-lane code on AVX2 machines).
+#if defined(VERICACHE_VEC_WIDTH)
+constexpr int kW = VERICACHE_VEC_WIDTH;
+#elif defined(__AVX512F__)
+constexpr int kW = 16;
+#elif defined(__AVX__)
+constexpr int kW = 8;
+#else
+constexpr int kW = 4;
+#endif
+static_assert(kW == 4 || kW == 8 || kW == 16, "VERICACHE_VEC_WIDTH must be 4, 8 or 16");
+// Vector registers for accumulators and operands: 32 with AVX-512, 16 with AVX2 / SSE.
+constexpr int kVecRegs = kW == 16 ? 32 : 16;
+
+typedef float vfloat __attribute__((vector_size(4 * kW)));
+typedef int32_t vint __attribute__((vector_size(4 * kW)));
+inline vfloat load_floats(const float* p) { vfloat r; std::memcpy(&r, p, sizeof r); return r; }
+inline void store_floats(float* p, vfloat x) { std::memcpy(p, &x, sizeof x); }
+
 // exp(x) for x <= 0 from 2^x = 2^n * 2^f, with a degree-6 polynomial for 2^f on [0, 1) (relative
 // error ~2e-7): plain arithmetic the compiler vectorizes, unlike a libm call per element.
 inline float exp_nonpositive(float x) {
@@ -28,6 +50,18 @@ inline float exp_nonpositive(float x) {
   bits += static_cast<int32_t>(n) << 23;
   float r;
   std::memcpy(&r, &bits, sizeof r);
+  return r;
+}
+
+// kW elements of a K/V row as floats (bf16: the bits shifted into the high half).
+inline vfloat load_as_float(const float* p) { return load_floats(p); }
+inline vfloat load_as_float(const c10::BFloat16* p) {
+  typedef uint16_t vbits __attribute__((vector_size(2 * kW)));
+  vbits b;
+  std::memcpy(&b, p, sizeof b);
+  const vint w = __builtin_convertvector(b, vint) << 16;
+  vfloat r;
+  std::memcpy(&r, &w, sizeof r);
   return r;
 }
 

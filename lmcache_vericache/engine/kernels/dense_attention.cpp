@@ -24,7 +24,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && !defined(VERICACHE_VEC_WIDTH)
 #include <immintrin.h>
 #define VERICACHE_DPBF16 1
 #else
@@ -34,18 +34,17 @@
 namespace {
 
 using vericache::exp_nonpositive;
+using vericache::kVecRegs;
+using vericache::kW;
+using vericache::load_as_float;
+using vericache::load_floats;
+using vericache::store_floats;
 using vericache::to_float;
+using vericache::vfloat;
 
 constexpr int64_t kTile = 512;  // tokens per work item
-constexpr int kRows = 16;       // query rows per score vector (one AVX-512 register of floats)
+constexpr int kRows = kW;       // query rows per score vector (one register of floats)
 constexpr int kTok = 4;         // tokens scored together (share each q load)
-constexpr int kOutRows = 4;     // query rows per output register block (4 x D/16 accumulators)
-
-// 16 floats as one vector (GCC/Clang vector extension: one AVX-512 register, two AVX2 ones); a
-// scalar operand is broadcast. Explicit vectors keep the accumulators in registers.
-typedef float v16 __attribute__((vector_size(64)));
-inline v16 load16(const float* p) { v16 r; std::memcpy(&r, p, sizeof r); return r; }
-inline void store16(float* p, v16 x) { std::memcpy(p, &x, sizeof x); }
 
 // A verify block's causal part: row i is the block's token i % n (n > 0), which sees the entries up
 // to its own; `first` is the tile's index of the block's first entry. Later entries get -inf.
@@ -93,36 +92,39 @@ void tile(const float* __restrict__ qt, int64_t m, int64_t mp, const T* __restri
     for (int u = 0; u < kTok; ++u)
       for (int d = 0; d < D; ++d) kf[u][d] = u < nu ? to_float(k[(t + u) * D + d]) : 0.f;
     for (int64_t ib = 0; ib < mp; ib += kRows) {
-      v16 acc[kTok] = {};
+      vfloat acc[kTok] = {};
       for (int d = 0; d < D; ++d) {
-        const v16 qv = load16(qt + d * mp + ib);
+        const vfloat qv = load_floats(qt + d * mp + ib);
         for (int u = 0; u < kTok; ++u) acc[u] += qv * kf[u][d];
       }
-      for (int u = 0; u < nu; ++u) store16(s + (t + u) * mp + ib, acc[u]);
+      for (int u = 0; u < nu; ++u) store_floats(s + (t + u) * mp + ib, acc[u]);
     }
   }
   mask_block(s, nt, mp, first, n);
   softmax_numerators(s, nt, mp, mx, sum);
-  // o = p v, kOutRows rows at a time with their D / 16 accumulators each in registers
-  constexpr int kV = D / 16;
-  for (int64_t ib = 0; ib < m; ib += kOutRows) {
-    v16 acc[kOutRows][kV] = {};
-    for (int64_t t = 0; t < nt; ++t) {
-      float vf[D];
-      for (int d = 0; d < D; ++d) vf[d] = to_float(v[t * D + d]);
-      v16 vv[kV];
-      for (int j = 0; j < kV; ++j) vv[j] = load16(vf + 16 * j);
-      const float* __restrict__ p = s + t * mp + ib;
-      for (int r = 0; r < kOutRows; ++r)
-        for (int j = 0; j < kV; ++j) acc[r][j] += vv[j] * p[r];  // rows past m: padded, discarded
+  // o = p v in blocks of kOutRows rows x kChunk vectors of dimensions, the block's accumulators in
+  // registers (AVX-512, D = 64: 4 rows x 4 vectors; AVX2: 2 rows x 4 vectors, twice per row)
+  constexpr int kVecs = D / kW, kChunk = kVecs < 4 ? kVecs : 4, kOutRows = kVecRegs / 2 / kChunk;
+  static_assert(kRows % kOutRows == 0, "padded rows must hold whole output blocks");
+  for (int64_t ib = 0; ib < m; ib += kOutRows)
+    for (int c0 = 0; c0 < kVecs; c0 += kChunk) {
+      vfloat acc[kOutRows][kChunk] = {};
+      for (int64_t t = 0; t < nt; ++t) {
+        vfloat vv[kChunk];
+        for (int j = 0; j < kChunk; ++j) vv[j] = load_as_float(v + t * D + (c0 + j) * kW);
+        const float* __restrict__ p = s + t * mp + ib;  // rows past m: padded, discarded
+        for (int r = 0; r < kOutRows; ++r)
+          for (int j = 0; j < kChunk; ++j) acc[r][j] += vv[j] * p[r];
+      }
+      for (int64_t r = 0; r < std::min<int64_t>(kOutRows, m - ib); ++r)
+        for (int j = 0; j < kChunk; ++j) store_floats(o + (ib + r) * D + (c0 + j) * kW, acc[r][j]);
     }
-    for (int64_t r = 0; r < std::min<int64_t>(kOutRows, m - ib); ++r)
-      for (int j = 0; j < kV; ++j) store16(o + (ib + r) * D + 16 * j, acc[r][j]);
-  }
 }
 
 #if VERICACHE_DPBF16
-// bf16_bits of 16 floats.
+// 16 floats (one AVX-512 register) and their bf16_bits.
+typedef float v16 __attribute__((vector_size(64)));
+inline v16 load16(const float* p) { v16 r; std::memcpy(&r, p, sizeof r); return r; }
 typedef uint32_t u16x __attribute__((vector_size(64)));
 inline u16x bf16_bits(v16 x) {
   u16x b;
@@ -304,5 +306,6 @@ std::vector<torch::Tensor> dense_attention(torch::Tensor q, torch::Tensor k, tor
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_attention", &dense_attention, "attention of a block of query rows over a dense KV cache",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("dpbf16") = true, py::arg("causal") = 0);
-  m.attr("dpbf16") = static_cast<bool>(VERICACHE_DPBF16);  // bf16 caches can use vdpbf16ps (tile_dp)
+  m.attr("dpbf16") = static_cast<bool>(VERICACHE_DPBF16);
+  m.attr("vec_width") = kW;  // floats per vector this build uses  // bf16 caches can use vdpbf16ps (tile_dp)
 }

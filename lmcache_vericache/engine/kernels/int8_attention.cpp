@@ -33,7 +33,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__) && !defined(VERICACHE_VEC_WIDTH)
 #include <immintrin.h>
 #define VERICACHE_VNNI 1
 #else
@@ -43,7 +43,13 @@
 namespace {
 
 using vericache::exp_nonpositive;
+using vericache::kVecRegs;
+using vericache::kW;
+using vericache::load_floats;
+using vericache::store_floats;
 using vericache::to_float;
+using vericache::vfloat;
+using vericache::vint;
 
 constexpr int64_t kBlock = 16;  // tokens per key block: one AVX-512 vector of scores
 constexpr int kMaxRows = 8;     // query rows per pass (more rows: several passes over the codes)
@@ -66,63 +72,65 @@ void softmax_numerators(float* __restrict__ s, int64_t m, int64_t T, int64_t Tp,
   }
 }
 
-// 16 lanes as one vector (GCC/Clang vector extensions: one AVX-512 register, two AVX2 ones).
-typedef float f16v __attribute__((vector_size(64)));
-typedef int32_t i16v __attribute__((vector_size(64)));
-inline i16v load_words(const int8_t* p) { i16v r; std::memcpy(&r, p, sizeof r); return r; }
-inline f16v load_floats(const float* p) { f16v r; std::memcpy(&r, p, sizeof r); return r; }
+inline vint load_words(const int8_t* p) { vint r; std::memcpy(&r, p, sizeof r); return r; }
 
-// Byte j of each of 16 words, sign-extended, as floats: one dimension of 16 tokens (keys) or one
-// token of 16 dimensions (values).
-inline f16v codes(i16v words, int j) { return __builtin_convertvector((words << (24 - 8 * j)) >> 24, f16v); }
+// Byte j of each of kW words, sign-extended, as floats: one dimension of kW tokens (keys) or one
+// token of kW dimensions (values).
+inline vfloat codes(vint words, int j) { return __builtin_convertvector((words << (24 - 8 * j)) >> 24, vfloat); }
 
-// Portable path (M rows, templated like the VNNI one): codes to float, FMAs.
+// Vectors of dimensions per p v pass for M rows: the M x chunk accumulators, the chunk's code words,
+// a converted vector and a broadcast weight fit in the registers.
+constexpr int chunk_vecs(int M, int vecs) {
+  int c = vecs;
+  while (c > 1 && (M + 1) * c + 2 > kVecRegs) c /= 2;
+  return c;
+}
+
+// Portable path (M rows, templated like the VNNI one): codes to float, FMAs, kW lanes per vector
+// (a block of 16 tokens is 16 / kW vectors of scores).
 template <int M, int D>
 void attend_float(const float* __restrict__ q, const int8_t* __restrict__ kb, const float* __restrict__ ks,
                   const int8_t* __restrict__ vb, const float* __restrict__ vs, int64_t T, float scale,
                   float* __restrict__ out, float* __restrict__ lse, float* __restrict__ s) {
   const int64_t nb = (T + kBlock - 1) / kBlock, Tp = nb * kBlock;
   for (int64_t b = 0; b < nb; ++b) {
-    f16v acc[M] = {};
-    for (int g = 0; g < D / 4; ++g) {
-      const i16v w = load_words(kb + (b * (D / 4) + g) * 64);  // 16 tokens x dimensions 4g..4g+3
-      for (int j = 0; j < 4; ++j) {
-        const f16v kf = codes(w, j);
-        for (int i = 0; i < M; ++i) acc[i] += q[i * D + 4 * g + j] * kf;
-      }
-    }
-    float tail[kBlock] = {};  // the last block's scales, zero-padded (no read past ks)
     const int64_t t0 = b * kBlock;
+    float tail[kBlock] = {};  // the last block's scales, zero-padded (no read past ks)
     if (t0 + kBlock > T) std::memcpy(tail, ks + t0, (T - t0) * sizeof(float));
-    const f16v kscaled = load_floats(t0 + kBlock <= T ? ks + t0 : tail) * scale;
-    for (int i = 0; i < M; ++i) {
-      const f16v si = acc[i] * kscaled;
-      std::memcpy(s + i * Tp + b * kBlock, &si, sizeof si);
+    const float* kscales = t0 + kBlock <= T ? ks + t0 : tail;
+    for (int part = 0; part < kBlock / kW; ++part) {
+      vfloat acc[M] = {};
+      for (int g = 0; g < D / 4; ++g) {
+        const vint w = load_words(kb + (b * (D / 4) + g) * 64 + part * kW * 4);  // kW tokens x dims 4g..4g+3
+        for (int j = 0; j < 4; ++j) {
+          const vfloat kf = codes(w, j);
+          for (int i = 0; i < M; ++i) acc[i] += q[i * D + 4 * g + j] * kf;
+        }
+      }
+      const vfloat kscaled = load_floats(kscales + part * kW) * scale;
+      for (int i = 0; i < M; ++i) store_floats(s + i * Tp + t0 + part * kW, acc[i] * kscaled);
     }
   }
   float mx[M], sum[M];
   softmax_numerators(s, M, T, Tp, mx, sum);
   for (int i = 0; i < M; ++i)
     for (int64_t t = 0; t < T; ++t) s[i * Tp + t] *= vs[t];  // value scale folded into the weight
-  constexpr int kV = D / 16;
-  f16v o[M][kV] = {};
-  for (int64_t g = 0; g < Tp / 4; ++g) {
-    i16v w[kV];  // dimensions 16c..16c+15 x tokens 4g..4g+3
-    for (int c = 0; c < kV; ++c) w[c] = load_words(vb + (g * D + 16 * c) * 4);
-    for (int j = 0; j < 4; ++j)
-      for (int c = 0; c < kV; ++c) {
-        const f16v vf = codes(w[c], j);
-        for (int i = 0; i < M; ++i) o[i][c] += s[i * Tp + 4 * g + j] * vf;
-      }
-  }
-  for (int i = 0; i < M; ++i) {
-    const f16v o_scale = f16v{} + 1.f / sum[i];
-    for (int c = 0; c < kV; ++c) {
-      const f16v oc = o[i][c] * o_scale;
-      std::memcpy(out + i * D + 16 * c, &oc, sizeof oc);
+  constexpr int kVecs = D / kW, kChunk = chunk_vecs(M, kVecs);
+  for (int c0 = 0; c0 < kVecs; c0 += kChunk) {
+    vfloat o[M][kChunk] = {};
+    for (int64_t g = 0; g < Tp / 4; ++g) {
+      vint w[kChunk];  // dimensions (c0 + c) kW.. x tokens 4g..4g+3
+      for (int c = 0; c < kChunk; ++c) w[c] = load_words(vb + (g * D + (c0 + c) * kW) * 4);
+      for (int j = 0; j < 4; ++j)
+        for (int c = 0; c < kChunk; ++c) {
+          const vfloat vf = codes(w[c], j);
+          for (int i = 0; i < M; ++i) o[i][c] += s[i * Tp + 4 * g + j] * vf;
+        }
     }
-    lse[i] = mx[i] + std::log(sum[i]);
+    for (int i = 0; i < M; ++i)
+      for (int c = 0; c < kChunk; ++c) store_floats(out + i * D + (c0 + c) * kW, o[i][c] * (1.f / sum[i]));
   }
+  for (int i = 0; i < M; ++i) lse[i] = mx[i] + std::log(sum[i]);
 }
 
 #if VERICACHE_VNNI
@@ -378,4 +386,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("sk") = std::vector<torch::Tensor>{}, py::arg("sv") = std::vector<torch::Tensor>{},
         py::arg("causal") = std::vector<int64_t>{});
   m.attr("vnni") = static_cast<bool>(VERICACHE_VNNI);
+  m.attr("vec_width") = kW;  // floats per vector of the float path
 }
