@@ -166,3 +166,28 @@ def test_int8_draft_option(tiny_model):
     with pytest.raises(ValueError, match="True, False or None"):
         VeriCacheEngine(tiny_model, "int8", int8_draft="yes")
     assert not VeriCacheEngine(tiny_model, "kivi").int8_draft  # 2-bit codes: dequantized copy
+
+
+def test_the_float_path_gives_the_same_result_at_every_vector_width():
+    """The float path's vector width follows the CPU (16 floats with AVX-512, 8 with AVX2); the
+    other width's code is built here too (-DVERICACHE_VEC_WIDTH) and must agree, so a machine of one
+    kind checks the code the other kind runs. Rows 1-8 (one pass each) and 11 (two passes)."""
+    from lmcache_vericache.engine import kernels
+
+    native = kernels.build("int8_attention")
+    other = kernels.build("int8_attention", vec_width=8 if native.vec_width == 16 else 16)
+    assert other is not None and other.vec_width != native.vec_width
+    gen = torch.Generator().manual_seed(3)
+    h = 3
+    for t, d in ((1000, 64), (37, 128), (300, 16)):
+        (kq, ks), (vq, vs) = _quantized(h, t, d, gen), _quantized(h, t, d, gen)
+        prefix = int8_attention.Int8Prefix.empty(1, h, d)
+        prefix.append(0, kq, ks, vq, vs)
+        for m in (1, 2, 3, 4, 5, 6, 7, 8, 11):
+            q = torch.randn(h, m, d, generator=gen) * 2
+            sk, sv = torch.randn(h, 9, d, generator=gen).bfloat16(), torch.randn(h, 9, d, generator=gen).bfloat16()
+            args = ([q], prefix.kq, prefix.ks, prefix.vq, prefix.vs, 0.125, False, [sk], [sv], [1 if m % 3 else 3])
+            (want,), (want_lse,) = native.int8_attention(*args)
+            (got,), (got_lse,) = other.int8_attention(*args)
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+            torch.testing.assert_close(got_lse, want_lse, atol=2e-5, rtol=1e-5)

@@ -181,6 +181,25 @@ def test_the_dense_kernel_builds_and_agrees_with_flash():
         mod.dense_attention(torch.randn(3, 51, 32), k[..., :32].bfloat16().contiguous(), v[..., :32].bfloat16().contiguous(), 0.125)
 
 
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler: the PyTorch path is taken")
+def test_the_dense_kernel_gives_the_same_result_at_every_vector_width():
+    """The kernel's vector width follows the CPU (16 floats with AVX-512, 8 with AVX2); the other
+    width's code is built here too (-DVERICACHE_VEC_WIDTH) and must agree with the native build, so
+    a machine of one kind checks the code the other kind runs (fp32 arithmetic in both)."""
+    native = kernels.build("dense_attention")
+    other = kernels.build("dense_attention", vec_width=8 if native.vec_width == 16 else 16)
+    assert other is not None and other.vec_width != native.vec_width
+    g = torch.Generator().manual_seed(2)
+    for d, s, rows, causal in ((64, 1500, 3, 0), (64, 700, 51, 17), (128, 600, 15, 5), (64, 33, 9, 3)):
+        q = torch.randn(3, rows, d, generator=g)
+        for dtype in (torch.float32, torch.bfloat16):
+            k, v = torch.randn(3, s, d, generator=g).to(dtype), torch.randn(3, s, d, generator=g).to(dtype)
+            want, want_lse = native.dense_attention(q, k, v, d ** -0.5, dpbf16=False, causal=causal)
+            got, got_lse = other.dense_attention(q, k, v, d ** -0.5, dpbf16=False, causal=causal)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(got_lse, want_lse, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("s,n", [(8201, 17), (1030, 17), (517, 5), (40, 40)])  # a block alone in the last tile; no past
 def test_the_dense_kernel_masks_a_verify_block_causally(s, n):
     """causal=n: the last n entries are a block whose token i % n (row i) sees the entries up to

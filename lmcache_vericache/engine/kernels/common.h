@@ -53,6 +53,28 @@ inline float exp_nonpositive(float x) {
   return r;
 }
 
+// exp_nonpositive of kW lanes (the same polynomial; floor from truncation, as every lane is <= 0).
+inline vfloat exp_nonpositive(vfloat x) {
+  x = x < -87.f ? vfloat{} - 87.f : x;
+  const vfloat t = x * 1.44269504089f;
+  vint n = __builtin_convertvector(t, vint);
+  n += __builtin_convertvector(n, vfloat) > t;  // truncation rounded up a negative t: -1
+  const vfloat f = t - __builtin_convertvector(n, vfloat);
+  vfloat p = vfloat{} + 1.53533e-4f;
+  p = p * f + 1.33989e-3f;
+  p = p * f + 9.61844e-3f;
+  p = p * f + 5.55033e-2f;
+  p = p * f + 2.40227e-1f;
+  p = p * f + 6.93147e-1f;
+  p = p * f + 1.0f;
+  vint bits;
+  std::memcpy(&bits, &p, sizeof bits);
+  bits += n << 23;
+  vfloat r;
+  std::memcpy(&r, &bits, sizeof r);
+  return r;
+}
+
 // kW elements of a K/V row as floats (bf16: the bits shifted into the high half).
 inline vfloat load_as_float(const float* p) { return load_floats(p); }
 inline vfloat load_as_float(const c10::BFloat16* p) {

@@ -45,6 +45,8 @@ using vericache::vfloat;
 constexpr int64_t kTile = 512;  // tokens per work item
 constexpr int kRows = kW;       // query rows per score vector (one register of floats)
 constexpr int kTok = 4;         // tokens scored together (share each q load)
+// Row vectors scored together (share each k broadcast): AVX2 can issue two FMAs per load only so.
+constexpr int kScoreVecs = kW == 16 ? 1 : 2;
 
 // A verify block's causal part: row i is the block's token i % n (n > 0), which sees the entries up
 // to its own; `first` is the tile's index of the block's first entry. Later entries get -inf.
@@ -60,16 +62,22 @@ inline void mask_block(float* __restrict__ s, int64_t nt, int64_t mp, int64_t fi
 // the tile max -inf and sum 0 (no weight in the merge of tiles).
 inline void softmax_numerators(float* __restrict__ s, int64_t nt, int64_t mp, float* __restrict__ mx,
                                float* __restrict__ sum) {
-  for (int64_t i = 0; i < mp; ++i) mx[i] = -INFINITY, sum[i] = 0.f;
-  for (int64_t t = 0; t < nt; ++t)
-    for (int64_t i = 0; i < mp; ++i) mx[i] = std::max(mx[i], s[t * mp + i]);
-  for (int64_t t = 0; t < nt; ++t)
-    for (int64_t i = 0; i < mp; ++i) {
-      const float x = s[t * mp + i];
-      const float e = x == -INFINITY ? 0.f : exp_nonpositive(x - mx[i]);
-      s[t * mp + i] = e;
-      sum[i] += e;
+  const vfloat neg_inf = vfloat{} - INFINITY;
+  for (int64_t ib = 0; ib < mp; ib += kW) {
+    vfloat top = neg_inf, total = {};
+    for (int64_t t = 0; t < nt; ++t) {
+      const vfloat x = load_floats(s + t * mp + ib);
+      top = x > top ? x : top;
     }
+    for (int64_t t = 0; t < nt; ++t) {
+      const vfloat x = load_floats(s + t * mp + ib);
+      const vfloat e = x == neg_inf ? vfloat{} : exp_nonpositive(x - top);
+      store_floats(s + t * mp + ib, e);
+      total += e;
+    }
+    store_floats(mx + ib, top);
+    store_floats(sum + ib, total);
+  }
 }
 
 // fp32 -> bf16 bits, rounded to nearest even (finite inputs: q, probabilities).
@@ -79,46 +87,68 @@ inline uint32_t bf16_bits(float x) {
   return (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
 }
 
+// Scores of R row vectors from ib on for kTok tokens kf (nu of them real) into s [kTok, mp].
+template <int R, int D>
+inline void score_block(const float* __restrict__ qt, int64_t mp, int64_t ib, const float (&kf)[kTok][D], int64_t nu,
+                        float* __restrict__ s) {
+  vfloat acc[R][kTok] = {};
+  for (int d = 0; d < D; ++d) {
+    vfloat qv[R];
+    for (int r = 0; r < R; ++r) qv[r] = load_floats(qt + d * mp + ib + r * kRows);
+    for (int u = 0; u < kTok; ++u)
+      for (int r = 0; r < R; ++r) acc[r][u] += qv[r] * kf[u][d];
+  }
+  for (int u = 0; u < nu; ++u)
+    for (int r = 0; r < R; ++r) store_floats(s + u * mp + ib + r * kRows, acc[r][u]);
+}
+
 // One (head, tile): scores s [nt, mp] (token-major, rows padded to mp), then per-row max / sum
 // and the unnormalized output o [m, D].
 template <typename T, int D>
 void tile(const float* __restrict__ qt, int64_t m, int64_t mp, const T* __restrict__ k, const T* __restrict__ v,
           int64_t nt, int64_t first, int64_t n, float* __restrict__ s, float* __restrict__ mx, float* __restrict__ sum,
           float* __restrict__ o) {
-  // scores: qt is [D, mp] (scaled, zero-padded rows); kTok tokens share each q vector load
+  // scores: qt is [D, mp] (scaled, zero-padded rows); kTok tokens share each q vector load and
+  // kScoreVecs row vectors each k broadcast
   float kf[kTok][D];
   for (int64_t t = 0; t < nt; t += kTok) {
     const int64_t nu = std::min<int64_t>(kTok, nt - t);
     for (int u = 0; u < kTok; ++u)
       for (int d = 0; d < D; ++d) kf[u][d] = u < nu ? to_float(k[(t + u) * D + d]) : 0.f;
-    for (int64_t ib = 0; ib < mp; ib += kRows) {
-      vfloat acc[kTok] = {};
-      for (int d = 0; d < D; ++d) {
-        const vfloat qv = load_floats(qt + d * mp + ib);
-        for (int u = 0; u < kTok; ++u) acc[u] += qv * kf[u][d];
-      }
-      for (int u = 0; u < nu; ++u) store_floats(s + (t + u) * mp + ib, acc[u]);
-    }
+    int64_t ib = 0;
+    for (; ib + kScoreVecs * kRows <= mp; ib += kScoreVecs * kRows) score_block<kScoreVecs, D>(qt, mp, ib, kf, nu, s + t * mp);
+    for (; ib < mp; ib += kRows) score_block<1, D>(qt, mp, ib, kf, nu, s + t * mp);
   }
   mask_block(s, nt, mp, first, n);
   softmax_numerators(s, nt, mp, mx, sum);
   // o = p v in blocks of kOutRows rows x kChunk vectors of dimensions, the block's accumulators in
-  // registers (AVX-512, D = 64: 4 rows x 4 vectors; AVX2: 2 rows x 4 vectors, twice per row)
+  // registers (AVX-512, D = 64: 4 rows x 4 vectors; AVX2: 2 rows x 4 vectors, twice per row), over
+  // kSub tokens at a time: their V rows stay in L1 for every block (a whole tile's V, 64-128 KB,
+  // streamed from L2 once per block was half of a verify block's time on AVX2)
   constexpr int kVecs = D / kW, kChunk = kVecs < 4 ? kVecs : 4, kOutRows = kVecRegs / 2 / kChunk;
+  constexpr int64_t kSub = 32;
   static_assert(kRows % kOutRows == 0, "padded rows must hold whole output blocks");
-  for (int64_t ib = 0; ib < m; ib += kOutRows)
-    for (int c0 = 0; c0 < kVecs; c0 += kChunk) {
-      vfloat acc[kOutRows][kChunk] = {};
-      for (int64_t t = 0; t < nt; ++t) {
-        vfloat vv[kChunk];
-        for (int j = 0; j < kChunk; ++j) vv[j] = load_as_float(v + t * D + (c0 + j) * kW);
-        const float* __restrict__ p = s + t * mp + ib;  // rows past m: padded, discarded
-        for (int r = 0; r < kOutRows; ++r)
-          for (int j = 0; j < kChunk; ++j) acc[r][j] += vv[j] * p[r];
+  for (int64_t t0 = 0; t0 < nt; t0 += kSub) {
+    const int64_t t1 = std::min(nt, t0 + kSub);
+    for (int64_t ib = 0; ib < m; ib += kOutRows) {
+      const int64_t rows = std::min<int64_t>(kOutRows, m - ib);  // past m: padded, discarded
+      for (int c0 = 0; c0 < kVecs; c0 += kChunk) {
+        vfloat acc[kOutRows][kChunk] = {};
+        if (t0 > 0)
+          for (int64_t r = 0; r < rows; ++r)
+            for (int j = 0; j < kChunk; ++j) acc[r][j] = load_floats(o + (ib + r) * D + (c0 + j) * kW);
+        for (int64_t t = t0; t < t1; ++t) {
+          vfloat vv[kChunk];
+          for (int j = 0; j < kChunk; ++j) vv[j] = load_as_float(v + t * D + (c0 + j) * kW);
+          const float* __restrict__ p = s + t * mp + ib;
+          for (int r = 0; r < kOutRows; ++r)
+            for (int j = 0; j < kChunk; ++j) acc[r][j] += vv[j] * p[r];
+        }
+        for (int64_t r = 0; r < rows; ++r)
+          for (int j = 0; j < kChunk; ++j) store_floats(o + (ib + r) * D + (c0 + j) * kW, acc[r][j]);
       }
-      for (int64_t r = 0; r < std::min<int64_t>(kOutRows, m - ib); ++r)
-        for (int j = 0; j < kChunk; ++j) store_floats(o + (ib + r) * D + (c0 + j) * kW, acc[r][j]);
     }
+  }
 }
 
 #if VERICACHE_DPBF16

@@ -55,15 +55,29 @@ constexpr int64_t kBlock = 16;  // tokens per key block: one AVX-512 vector of s
 constexpr int kMaxRows = 8;     // query rows per pass (more rows: several passes over the codes)
 
 // Row softmax of s [m, Tp] over its first T entries: numerators exp(s - max) in place (padding
-// entries set to 0), with each row's max and sum.
+// entries set to 0), with each row's max and sum; kW entries at a time, a scalar tail.
 void softmax_numerators(float* __restrict__ s, int64_t m, int64_t T, int64_t Tp, float* __restrict__ mx,
                         float* __restrict__ sum) {
+  const int64_t whole = T / kW * kW;
   for (int64_t i = 0; i < m; ++i) {
     float* __restrict__ si = s + i * Tp;
+    vfloat topv = vfloat{} - INFINITY;
+    for (int64_t t = 0; t < whole; t += kW) {
+      const vfloat x = load_floats(si + t);
+      topv = x > topv ? x : topv;
+    }
     float top = -INFINITY;
-    for (int64_t t = 0; t < T; ++t) top = si[t] > top ? si[t] : top;
+    for (int l = 0; l < kW; ++l) top = topv[l] > top ? topv[l] : top;
+    for (int64_t t = whole; t < T; ++t) top = si[t] > top ? si[t] : top;
+    vfloat totalv = {};
+    for (int64_t t = 0; t < whole; t += kW) {
+      const vfloat e = exp_nonpositive(load_floats(si + t) - top);
+      store_floats(si + t, e);
+      totalv += e;
+    }
     float total = 0.f;
-    for (int64_t t = 0; t < T; ++t) {
+    for (int l = 0; l < kW; ++l) total += totalv[l];
+    for (int64_t t = whole; t < T; ++t) {
       si[t] = exp_nonpositive(si[t] - top);
       total += si[t];
     }
