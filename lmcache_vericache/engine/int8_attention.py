@@ -8,7 +8,8 @@ draft cache's exact suffix, attends to it in the same call (exactly, in float) a
 by log-sum-exp: one call per layer for the whole batch. The codes are
 kept in blocks of 16 tokens laid out for 4-byte integer dot products (:class:`Int8Prefix`): on CPUs
 with AVX512-VNNI the scores and the weighted values are ``vpdpbusd`` dot products (q and the
-weights rounded to 8 bits: drafting numerics), elsewhere codes are converted to float.
+weights rounded to 8 bits: drafting numerics), with AVX2 alone two multiply-adds per dot product
+(7 bits), elsewhere codes are converted to float.
 
 The kernel is compiled on first use (:mod:`.kernels`). Where it cannot be built, :func:`available`
 is False and int8 drafters attend over a dequantized copy as before (slower, same tokens)."""
@@ -33,10 +34,11 @@ def available() -> bool:
     return _module() is not None
 
 
-def vnni() -> bool:
-    """Whether the built kernel has its AVX512-VNNI path (integer dot products over the codes)."""
+def integer() -> bool:
+    """Whether the built kernel has an integer dot-product path over the codes (AVX512-VNNI's
+    ``vpdpbusd``, or AVX2's ``vpmaddubsw`` + ``vpmaddwd``), which drafting takes by default."""
     mod = _module()
-    return bool(mod is not None and mod.vnni)
+    return bool(mod is not None and (mod.vnni or mod.madd))
 
 
 @dataclass
@@ -122,13 +124,13 @@ def _unblock_values(vq: Tensor, n: int) -> Tensor:
 Suffix = tuple[Tensor, Tensor, int]  # exact keys, values [H, S, D] (rows contiguous) and causal block n
 
 
-def attention(jobs: list[tuple[Tensor, Int8Prefix, int]], scale: float, vnni: bool = True,
+def attention(jobs: list[tuple[Tensor, Int8Prefix, int]], scale: float, integer: bool = True,
               suffixes: list[Suffix] | None = None) -> list[tuple[Tensor, Tensor]]:
     """For each job ``(q [H, m, D], prefix, layer)``: attention of the query rows over that layer's
     int8 prefix, ``(out [H, m, D] float32, lse [H, m] float32)``. Jobs with an empty prefix give
-    ``lse = -inf`` (no weight in a merge). ``vnni=False`` takes the kernel's float path on a CPU
-    with AVX512-VNNI (exact up to float rounding; the VNNI path rounds q and the weights, see
-    ``kernels/int8_attention.cpp``).
+    ``lse = -inf`` (no weight in a merge). ``integer=False`` takes the kernel's float path on a CPU
+    with an integer path (exact up to float rounding; the integer paths round q and the weights,
+    see ``kernels/int8_attention.cpp``).
 
     ``suffixes`` (one per job): each job's exact suffix ``(k, v, n)``, float32 or bf16 ``[H, S, D]``,
     attended in the same call and merged in: the result is then attention over prefix and suffix.
@@ -148,7 +150,7 @@ def attention(jobs: list[tuple[Tensor, Int8Prefix, int]], scale: float, vnni: bo
         outs, lses = mod.int8_attention([q.float().contiguous() for q, _, _ in picked],
                                         [p.kq[li] for _, p, li in picked], [p.ks[li] for _, p, li in picked],
                                         [p.vq[li] for _, p, li in picked], [p.vs[li] for _, p, li in picked],
-                                        scale, vnni, **extra)
+                                        scale, integer, **extra)
         for i, o, lse in zip(run, outs, lses):
             res[i] = (o, lse)
     for i, (q, _, _) in enumerate(jobs):

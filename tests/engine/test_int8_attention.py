@@ -20,18 +20,19 @@ def _quantized(h, t, d, gen):
     return (x / s[..., None]).round().clamp(-127, 127).to(torch.int8), s
 
 
-# The float path is exact up to float rounding; the VNNI path rounds q (per row) and the weights
-# (per row and 16-token block) to 8 bits: a drafter's numerics, measured here at most ~5e-2 on
-# outputs of magnitude ~4 with these large random scores (q ~ 2 N(0, 1)).
+# The float path is exact up to float rounding; the integer paths round q (per row) and the weights
+# (per row and 16-token block) to 8 bits (AVX512-VNNI) or 7 bits (AVX2): a drafter's numerics,
+# measured here at most ~5e-2 on outputs of magnitude ~4 with these large random scores
+# (q ~ 2 N(0, 1)).
 PATHS = [pytest.param(False, (2e-5, 1e-4), id="float"),
-         pytest.param(True, (8e-2, 2e-2), id="vnni", marks=pytest.mark.skipif(
-             not (int8_attention.available() and int8_attention.vnni()), reason="no AVX512-VNNI here"))]
+         pytest.param(True, (8e-2, 2e-2), id="integer", marks=pytest.mark.skipif(
+             not (int8_attention.available() and int8_attention.integer()), reason="no integer path on this CPU"))]
 
 
-@pytest.mark.parametrize("vnni,tol", PATHS)
+@pytest.mark.parametrize("integer,tol", PATHS)
 @pytest.mark.parametrize("t,m,d", [(1, 1, 64), (17, 3, 64), (255, 6, 64), (256, 3, 64), (1000, 48, 64), (300, 3, 16),
                                    (40, 9, 128)])
-def test_kernel_equals_attention_over_dequantized_codes(t, m, d, vnni, tol):
+def test_kernel_equals_attention_over_dequantized_codes(t, m, d, integer, tol):
     gen = torch.Generator().manual_seed(t + m)
     h = 3
     (kq, ks), (vq, vs) = _quantized(h, t, d, gen), _quantized(h, t, d, gen)
@@ -40,7 +41,7 @@ def test_kernel_equals_attention_over_dequantized_codes(t, m, d, vnni, tol):
     prefix.append(0, kq[:, : t // 2], ks[:, : t // 2], vq[:, : t // 2], vs[:, : t // 2])  # two appends
     prefix.append(0, kq[:, t // 2:], ks[:, t // 2:, None], vq[:, t // 2:], vs[:, t // 2:, None])
     assert prefix.length(0) == t and prefix.kq[0].shape[1] == -(-t // 16)  # blocks of 16 tokens, padded
-    [(out, lse)] = int8_attention.attention([(q, prefix, 0)], 0.125, vnni=vnni)
+    [(out, lse)] = int8_attention.attention([(q, prefix, 0)], 0.125, integer=integer)
     k, v = kq.float() * ks[..., None], vq.float() * vs[..., None]
     scores = q @ k.transpose(1, 2) * 0.125
     torch.testing.assert_close(out, scores.softmax(-1) @ v, atol=tol[0], rtol=tol[1])
@@ -70,23 +71,23 @@ def test_merged_attention_equals_attention_over_the_union():
     k, v = torch.randn(hkv, past + n, d, generator=gen), torch.randn(hkv, past + n, d, generator=gen)
     q = torch.randn(n, hkv * g, d, generator=gen)
     qrows = q.view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d)
-    [part] = int8_attention.attention([(qrows, prefix, 0)], 0.125, vnni=False)  # the exact path: the merge is tested
+    [part] = int8_attention.attention([(qrows, prefix, 0)], 0.125, integer=False)  # the exact path: the merge is tested
     got = attend(q, k, v, n, 0.125, part)
     full_k = torch.cat([kq.float() * ks[..., None], k], 1)
     full_v = torch.cat([vq.float() * vs[..., None], v], 1)
     want = attend(q, full_k, full_v, n, 0.125)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     # a 1-token step (no causal block): the fused path with the prefix merged in
-    [part1] = int8_attention.attention([(q[-1:].view(hkv, g, d), prefix, 0)], 0.125, vnni=False)
+    [part1] = int8_attention.attention([(q[-1:].view(hkv, g, d), prefix, 0)], 0.125, integer=False)
     got1 = attend(q[-1:], k, v, 1, 0.125, part1)
     torch.testing.assert_close(got1, attend(q[-1:], full_k, full_v, 1, 0.125), atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("vnni,tol", PATHS)
+@pytest.mark.parametrize("integer,tol", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t,past,n,g", [(300, 20, 5, 3), (40, 1, 1, 3), (17, 3, 3, 3), (1000, 30, 1, 9),
                                         (64, 8, 4, 3), (0, 7, 1, 3), (0, 12, 4, 2)])
-def test_kernel_with_the_exact_suffix_equals_attention_over_the_union(t, past, n, g, dtype, vnni, tol):
+def test_kernel_with_the_exact_suffix_equals_attention_over_the_union(t, past, n, g, dtype, integer, tol):
     """A draft step's whole attention in one call: the int8 prefix (t tokens, none for t = 0) and the
     draft cache's exact entries (past + the block's own n, causal), against float64 attention over
     [dequantized prefix, exact entries]; 12 rows (n = 4, g = 3) take two passes of the kernel."""
@@ -104,7 +105,7 @@ def test_kernel_with_the_exact_suffix_equals_attention_over_the_union(t, past, n
     k, v = kbuf[:, :past + n], vbuf[:, :past + n]
     q = torch.randn(n, hkv * g, d, generator=gen) * 2
     rows = q.view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d)
-    [(out, lse)] = int8_attention.attention([(rows, prefix, 0)], 0.125, vnni=vnni, suffixes=[(k, v, n)])
+    [(out, lse)] = int8_attention.attention([(rows, prefix, 0)], 0.125, integer=integer, suffixes=[(k, v, n)])
     # row j*n + i (member j, block token i) sees the prefix and the exact entries up to its own token
     full_k, full_v = torch.cat([pk, k.double()], 1), torch.cat([pv, v.double()], 1)
     seen = t + past + 1 + torch.arange(g * n) % n
