@@ -9,7 +9,7 @@ with ``a`` the measured per-token acceptance rate (accepted drafts over accept/r
 to recent rounds: near-constant where verifying is memory-bound (a GPU: L grows with acceptance),
 growing with L where it is compute-bound (a CPU verifying 17 tokens over 8k entries took 4 decode
 steps: L stays short). The swap of the full prefix must hide behind drafting, so L >= L_min =
-ceil(T_swap / t_draft). Until two different L were verified, L doubles after a round that accepted
+ceil(T_swap / t_draft) while rounds swap. Until two different L were verified, L doubles after a round that accepted
 every draft and drops to about 1.5x the recent accepted run after a rejection. The horizon only
 changes how many drafts are verified at once, never which tokens are emitted.
 
@@ -102,8 +102,10 @@ class Horizon:
         self._acc = _ema(self._acc, mean_accepted)
         if draft_step_s > 0:
             self._step_s = _ema(self._step_s, draft_step_s)
-        if swap_s > 0:
-            self._swap_s = _ema(self._swap_s, swap_s)
+        # The floor L >= swap / draft step holds while rounds swap (offload: every round). With the
+        # full KV resident only the first round swaps (a stored prefix, once); keeping its floor
+        # held every later round to a long L that a CPU's costly verify blocks do not repay.
+        self._swap_s = _ema(self._swap_s, swap_s) if swap_s > 0 else 0.0
         # accepted drafts are successes; the first rejected one (if any) a failure
         self._hits = 0.8 * self._hits + sum(a for _, a in rounds)
         self._trials = 0.8 * self._trials + sum(a + (a < d) for d, a in rounds)

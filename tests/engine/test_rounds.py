@@ -145,6 +145,26 @@ def test_auto_horizon_falls_back_to_plain_decoding_where_drafting_does_not_pay()
     assert run(True, step_s=0.05).L >= 1  # cheap drafts pay
 
 
+def test_the_swap_floor_on_L_lasts_only_while_rounds_swap():
+    """L >= swap time / draft step hides a round's swap behind its drafting. With the full KV
+    resident only the first round swaps (a stored prefix, once): later rounds drop that floor. In
+    offload every round swaps and the floor stays."""
+    from lmcache_vericache.engine.horizon import Horizon
+
+    def run(later_swap_s):
+        h = Horizon("auto", max_len=32)
+        h.update_rounds([(8, 2)], 0.1, 2.0, 1.0)  # a 2 s swap behind 0.1 s draft steps: L >= 20
+        assert h.L >= 20
+        for n in (4, 8, 4):  # poor acceptance, a verify that grows with L
+            h.update_rounds([(n, 1)], 0.1, later_swap_s, 0.5 + 0.1 * (n + 1))
+        return h
+
+    resident = run(0.0)
+    assert resident.l_min == 1 and resident.L < 8
+    offload = run(2.0)
+    assert offload.l_min == 20 and offload.L >= 20
+
+
 def test_plain_decoding_is_an_option_only_with_the_full_kv_resident(tiny_model):
     """The engine offers auto's L = 0 fallback only where no swap must hide behind drafting."""
     prompts = random_prompts(2, [200, 130])
