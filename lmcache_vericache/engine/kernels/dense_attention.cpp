@@ -113,8 +113,9 @@ void tile(const float* __restrict__ qt, int64_t m, int64_t mp, const T* __restri
   float kf[kTok][D];
   for (int64_t t = 0; t < nt; t += kTok) {
     const int64_t nu = std::min<int64_t>(kTok, nt - t);
-    for (int u = 0; u < kTok; ++u)
-      for (int d = 0; d < D; ++d) kf[u][d] = u < nu ? to_float(k[(t + u) * D + d]) : 0.f;
+    for (int u = 0; u < kTok; ++u)  // whole vectors: bf16 widened kW at a time, not element by element
+      for (int c = 0; c < D / kW; ++c)
+        store_floats(kf[u] + c * kW, u < nu ? load_as_float(k + (t + u) * D + c * kW) : vfloat{});
     int64_t ib = 0;
     for (; ib + kScoreVecs * kRows <= mp; ib += kScoreVecs * kRows) score_block<kScoreVecs, D>(qt, mp, ib, kf, nu, s + t * mp);
     for (; ib < mp; ib += kRows) score_block<1, D>(qt, mp, ib, kf, nu, s + t * mp);
@@ -128,8 +129,15 @@ void tile(const float* __restrict__ qt, int64_t m, int64_t mp, const T* __restri
   constexpr int kVecs = D / kW, kChunk = kVecs < 4 ? kVecs : 4, kOutRows = kVecRegs / 2 / kChunk;
   constexpr int64_t kSub = 32;
   static_assert(kRows % kOutRows == 0, "padded rows must hold whole output blocks");
+  float vslice[kSub * D];  // a bf16 slice widened once, not once per row block
   for (int64_t t0 = 0; t0 < nt; t0 += kSub) {
     const int64_t t1 = std::min(nt, t0 + kSub);
+    const float* vf = reinterpret_cast<const float*>(v) + t0 * D;  // fp32: read in place
+    if constexpr (!std::is_same_v<T, float>) {
+      for (int64_t t = t0; t < t1; ++t)
+        for (int c = 0; c < D / kW; ++c) store_floats(vslice + (t - t0) * D + c * kW, load_as_float(v + t * D + c * kW));
+      vf = vslice;
+    }
     for (int64_t ib = 0; ib < m; ib += kOutRows) {
       const int64_t rows = std::min<int64_t>(kOutRows, m - ib);  // past m: padded, discarded
       for (int c0 = 0; c0 < kVecs; c0 += kChunk) {
@@ -139,7 +147,7 @@ void tile(const float* __restrict__ qt, int64_t m, int64_t mp, const T* __restri
             for (int j = 0; j < kChunk; ++j) acc[r][j] = load_floats(o + (ib + r) * D + (c0 + j) * kW);
         for (int64_t t = t0; t < t1; ++t) {
           vfloat vv[kChunk];
-          for (int j = 0; j < kChunk; ++j) vv[j] = load_as_float(v + t * D + (c0 + j) * kW);
+          for (int j = 0; j < kChunk; ++j) vv[j] = load_floats(vf + (t - t0) * D + (c0 + j) * kW);
           const float* __restrict__ p = s + t * mp + ib;
           for (int r = 0; r < kOutRows; ++r)
             for (int j = 0; j < kChunk; ++j) acc[r][j] += vv[j] * p[r];
