@@ -31,6 +31,17 @@ typedef int32_t vint __attribute__((vector_size(4 * kW)));
 inline vfloat load_floats(const float* p) { vfloat r; std::memcpy(&r, p, sizeof r); return r; }
 inline void store_floats(float* p, vfloat x) { std::memcpy(p, &x, sizeof x); }
 
+// 2^f on [0, 1): a degree-6 polynomial (relative error ~2e-7), for a float or a vector of them.
+template <typename F>
+inline F exp2_fraction(F f) {
+  F p = f * 1.53533e-4f + 1.33989e-3f;
+  p = p * f + 9.61844e-3f;
+  p = p * f + 5.55033e-2f;
+  p = p * f + 2.40227e-1f;
+  p = p * f + 6.93147e-1f;
+  return p * f + 1.0f;
+}
+
 // exp(x) for x <= 0 from 2^x = 2^n * 2^f, with a degree-6 polynomial for 2^f on [0, 1) (relative
 // error ~2e-7): plain arithmetic the compiler vectorizes, unlike a libm call per element.
 inline float exp_nonpositive(float x) {
@@ -38,13 +49,7 @@ inline float exp_nonpositive(float x) {
   const float t = x * 1.44269504089f;
   const float n = std::floor(t);
   const float f = t - n;
-  float p = 1.53533e-4f;
-  p = p * f + 1.33989e-3f;
-  p = p * f + 9.61844e-3f;
-  p = p * f + 5.55033e-2f;
-  p = p * f + 2.40227e-1f;
-  p = p * f + 6.93147e-1f;
-  p = p * f + 1.0f;
+  const float p = exp2_fraction(f);
   int32_t bits;
   std::memcpy(&bits, &p, sizeof bits);
   bits += static_cast<int32_t>(n) << 23;
@@ -60,13 +65,7 @@ inline vfloat exp_nonpositive(vfloat x) {
   vint n = __builtin_convertvector(t, vint);
   n += __builtin_convertvector(n, vfloat) > t;  // truncation rounded up a negative t: -1
   const vfloat f = t - __builtin_convertvector(n, vfloat);
-  vfloat p = vfloat{} + 1.53533e-4f;
-  p = p * f + 1.33989e-3f;
-  p = p * f + 9.61844e-3f;
-  p = p * f + 5.55033e-2f;
-  p = p * f + 2.40227e-1f;
-  p = p * f + 6.93147e-1f;
-  p = p * f + 1.0f;
+  const vfloat p = exp2_fraction(f);
   vint bits;
   std::memcpy(&bits, &p, sizeof bits);
   bits += n << 23;

@@ -155,6 +155,18 @@ void attend_float(const float* __restrict__ q, const int8_t* __restrict__ kb, co
   for (int i = 0; i < M; ++i) lse[i] = mx[i] + std::log(sum[i]);
 }
 
+// q of M rows rounded to int8 (-127..127) against each row's largest |q|, with the row's scale.
+template <int M, int D>
+inline void round_rows(const float* __restrict__ q, int8_t (&qi)[M][D], float (&qscale)[M]) {
+  for (int i = 0; i < M; ++i) {
+    float top = 0.f;
+    for (int d = 0; d < D; ++d) top = std::max(top, std::fabs(q[i * D + d]));
+    const float inv = top > 0.f ? 127.f / top : 0.f;
+    qscale[i] = top > 0.f ? top / 127.f : 0.f;
+    for (int d = 0; d < D; ++d) qi[i][d] = static_cast<int8_t>(std::lrintf(q[i * D + d] * inv));
+  }
+}
+
 #if VERICACHE_VNNI
 // VNNI path, M rows (templated: the accumulators stay in registers).
 template <int M, int D>
@@ -166,16 +178,10 @@ void attend_vnni(const float* __restrict__ q, const int8_t* __restrict__ kb, con
   alignas(64) int8_t qi[M][D];
   float qscale[M];
   int32_t qoff[M];
+  round_rows<M, D>(q, qi, qscale);
   for (int i = 0; i < M; ++i) {
-    float top = 0.f;
-    for (int d = 0; d < D; ++d) top = std::max(top, std::fabs(q[i * D + d]));
-    const float inv = top > 0.f ? 127.f / top : 0.f;
-    qscale[i] = top > 0.f ? top / 127.f : 0.f;
     int32_t total = 0;
-    for (int d = 0; d < D; ++d) {
-      qi[i][d] = static_cast<int8_t>(std::lrintf(q[i * D + d] * inv));
-      total += qi[i][d];
-    }
+    for (int d = 0; d < D; ++d) total += qi[i][d];
     qoff[i] = 128 * total;
   }
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
@@ -261,13 +267,7 @@ void attend_madd(const float* __restrict__ q, const int8_t* __restrict__ kb, con
   const int64_t nb = (T + kBlock - 1) / kBlock, Tp = nb * kBlock;
   alignas(32) int8_t qi[M][D];
   float qscale[M];
-  for (int i = 0; i < M; ++i) {
-    float top = 0.f;
-    for (int d = 0; d < D; ++d) top = std::max(top, std::fabs(q[i * D + d]));
-    const float inv = top > 0.f ? 127.f / top : 0.f;
-    qscale[i] = top > 0.f ? top / 127.f : 0.f;
-    for (int d = 0; d < D; ++d) qi[i][d] = static_cast<int8_t>(std::lrintf(q[i * D + d] * inv));
-  }
+  round_rows<M, D>(q, qi, qscale);
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t t0 = b * kBlock;
