@@ -141,9 +141,10 @@ def append_chunks(cache: KVCache, ckvs: Sequence[CompressedKV], compressor: KVCo
     if cache.packed is not None:
         packed = [compressor.int8_layers(ckv) for ckv in ckvs]
         if all(p is not None for p in packed):
-            for layers in packed:
-                for li, codes in enumerate(layers):
-                    cache.packed.append(li, *codes)
+            # One append per layer of all chunks' codes: appending chunk by chunk re-copied the
+            # growing prefix each time (quadratic: 0.8 s of an 8k prompt's 30 layers at batch 1).
+            for li in range(len(packed[0]) if packed else 0):
+                cache.packed.append(li, *(torch.cat([layers[li][j] for layers in packed], dim=1) for j in range(4)))
             cache.reserve(room)
             cache.n = 0
             return
