@@ -14,12 +14,16 @@ every draft and drops to about 1.5x the recent accepted run after a rejection. T
 changes how many drafts are verified at once, never which tokens are emitted.
 
 Where drafting does not pay (the draft step costs about a full step: short contexts, where the
-weights dominate a step), ``plain_ok`` lets auto choose L = 0: each round verifies the last token
-alone, i.e. plain full-KV decoding. One plain round is tried when the fitted costs expect it to
-beat the best L >= 1; from then on the measured tokens/s of plain and drafting rounds decide (a
-plain step takes another attention path than a verify block, so the fit is not trusted for it).
-Only without a swap to hide (full KV resident). Every ``probe_every`` plain rounds one round
-drafts again, so a change in acceptance or costs is noticed.
+weights dominate a step; a CPU whose verify blocks cost several full steps), ``plain_ok`` lets auto
+choose L = 0: each round verifies the last token alone, i.e. plain full-KV decoding. The scheduler
+sets it only with the full KV resident, where no round after the first swaps. The round after the
+first drafting round without a swap (a swap slows the drafting it shares the CPU with: measured,
+8 requests at 8k drafted at half speed while their stored prefixes swapped in) is plain: a plain
+step takes another attention path than a verify block, so its cost is measured, not extrapolated
+from the verify fit. From then on the measured tokens/s of plain and drafting rounds decide. While
+plain wins, drafting is tried again once the plain rounds since the last drafting round have run
+``probe_ratio`` times as long as that round took, so a change in acceptance or costs is noticed at
+a bounded price (about 1 / ``probe_ratio`` of the time; none in a short run).
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ class Horizon:
     max_len: int = 64
     start_len: int = 8
     plain_ok: bool = False
-    probe_every: int = 16
+    probe_ratio: float = 16.0
     L: int = field(init=False)
     _acc: float = field(init=False, default=0.0)
     _step_s: float = field(init=False, default=0.0)
@@ -56,7 +60,8 @@ class Horizon:
     _hits: float = field(init=False, default=0.0)  # decayed accept / reject counts
     _trials: float = field(init=False, default=0.0)
     _verifies: deque = field(init=False, default_factory=lambda: deque(maxlen=16))  # (tokens verified, s)
-    _quiet: int = field(init=False, default=0)  # plain rounds since drafting was last tried
+    _plain_s: float = field(init=False, default=0.0)  # seconds of plain rounds since drafting last ran
+    _round_s: float = field(init=False, default=0.0)  # seconds of the last drafting round
     _plain_rate: float = field(init=False, default=0.0)  # measured tokens/s of plain rounds (0: none yet)
     _draft_rate: float = field(init=False, default=0.0)  # measured tokens/s of drafting rounds
     _probe_len: int = field(init=False, default=0)  # the best L >= 1 when plain decoding was chosen
@@ -90,15 +95,17 @@ class Horizon:
         if drafted == 0:  # a plain round (L = 0): its verify is one plain decode step, measured
             if verify_s > 0:
                 self._plain_rate = _ema(self._plain_rate, 1.0 / verify_s)
-            self._quiet += 1
-            if self.L == 0 and (self._quiet >= self.probe_every or self._plain_rate <= self._draft_rate):
-                self._quiet, self.L = 0, max(1, self._probe_len)  # draft again: to re-measure, or plain lost
+                self._plain_s += verify_s
+            if self.L == 0 and (self._plain_rate <= self._draft_rate or self._plain_s >= self.probe_ratio * self._round_s):
+                self._plain_s, self.L = 0.0, max(1, self._probe_len)  # plain lost, or time to re-measure drafting
             return
         rounds = [(d, a) for d, a in rounds if d > 0]
         mean_accepted = sum(a for _, a in rounds) / len(rounds)
         if verify_s > 0:
             self._verifies.append((drafted + 1, verify_s))
-            self._draft_rate = _ema(self._draft_rate, (mean_accepted + 1) / (drafted * draft_step_s + verify_s))
+            if swap_s == 0:  # a swap shares the cores and memory bus with drafting: no rate evidence
+                self._round_s = drafted * draft_step_s + verify_s
+                self._draft_rate = _ema(self._draft_rate, (mean_accepted + 1) / self._round_s)
         self._acc = _ema(self._acc, mean_accepted)
         if draft_step_s > 0:
             self._step_s = _ema(self._step_s, draft_step_s)
@@ -116,13 +123,11 @@ class Horizon:
         else:
             want = self.best(self._hits / self._trials, self._step_s, *cost)
         L = max(self.l_min, min(self.max_len, want))
-        if cost is not None and self.plain_ok and swap_s == 0 and self._step_s > 0:
+        if self.plain_ok and self._draft_rate > 0:
             # Plain decoding's cost is measured, not extrapolated from the verify fit (a 1-token
-            # step takes another path than a verify block): a first plain round is tried when the
-            # fit expects it to win, then the measured rates of both modes decide.
-            a = self._hits / self._trials
-            if (rate(0, a, self._step_s, *cost) > rate(L, a, self._step_s, *cost) if self._plain_rate == 0
-                    else self._plain_rate > self._draft_rate):
+            # step takes another path than a verify block): one plain round as soon as a drafting
+            # round without a swap was measured, then the measured rates of both modes decide.
+            if self._plain_rate == 0 or self._plain_rate > self._draft_rate:
                 self._probe_len, L = L, 0
         self.L = L
 

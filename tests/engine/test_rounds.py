@@ -118,31 +118,42 @@ def test_lock_step_shares_one_horizon(tiny_model):
 
 
 def test_auto_horizon_falls_back_to_plain_decoding_where_drafting_does_not_pay():
-    """A draft step as dear as a full step (short contexts, weights-bound) and a verify that grows
-    with L: with ``plain_ok`` auto picks L = 0 (verify the last token alone = plain decoding), tries
-    drafting again every ``probe_every`` plain rounds, and never picks 0 without ``plain_ok`` or
-    while a swap is to hide. Where drafting pays it keeps drafting. (L = 0 rounds themselves are
-    tested token-identical in test_scheduling_changes_speed_not_tokens.)"""
+    """With ``plain_ok`` the round after the first drafting one without a swap is plain (L = 0:
+    verify the last token alone = plain decoding), measured; then the measured rates decide. While plain wins,
+    drafting is tried again once plain rounds have run ``probe_ratio`` times as long as the last
+    drafting round. Without ``plain_ok`` L never drops to 0. (L = 0 rounds themselves are tested
+    token-identical in test_scheduling_changes_speed_not_tokens.)"""
     from lmcache_vericache.engine.horizon import Horizon
 
-    def run(plain_ok, step_s, swap_s=0.0):
-        h = Horizon("auto", max_len=32, plain_ok=plain_ok, probe_every=4)
-        for n in (8, 4, 8, 4):  # verify v(n) = 1.0 + 0.2 n seconds: two block sizes give the fit
-            h.update_rounds([(n, n // 2)], step_s, swap_s, 1.0 + 0.2 * (n + 1))
+    def first_round(plain_ok, step_s):
+        h = Horizon("auto", max_len=32, plain_ok=plain_ok, probe_ratio=4)
+        h.update_rounds([(8, 4)], 9.0, 5.0, 2.8)  # a round that swapped: its slow steps are no evidence
+        assert h.L >= 1
+        h.update_rounds([(8, 4)], step_s, 0.0, 2.8)  # 5 tokens in 8 steps + a 2.8 s verify
         return h
 
-    h = run(True, step_s=1.0)
-    assert h.L == 0 and h._probe_len >= 1  # the fit expects plain decoding to win: try it
-    for _ in range(3):
-        h.update_rounds([(0, 0)], 0.0, 0.0, 1.2)  # measured: 1 token per 1.2 s beats drafting's rate
+    h = first_round(True, step_s=1.0)  # 5 tokens in 10.8 s
+    assert h.L == 0 and h._probe_len >= 1  # plain decoding is measured next
+    for _ in range(35):  # 1 token per 1.2 s beats drafting's measured rate: plain until 4 x 10.8 s passed
+        h.update_rounds([(0, 0)], 0.0, 0.0, 1.2)
         assert h.L == 0
-    h.update_rounds([(0, 0)], 0.0, 0.0, 1.2)  # the 4th plain round: draft again to re-measure
+    h.update_rounds([(0, 0)], 0.0, 0.0, 1.2)  # 43.2 s of plain rounds: draft again to re-measure
     assert h.L == h._probe_len >= 1
-    h = run(True, step_s=1.0)
+    h.update_rounds([(h.L, 1)], 1.0, 0.0, 2.0 + 0.2 * h.L)  # drafting still loses: plain again
+    assert h.L == 0
+
+    h = first_round(True, step_s=1.0)
     h.update_rounds([(0, 0)], 0.0, 0.0, 60.0)  # the plain round measured slower than drafting:
-    assert h.L >= 1  # back to drafting at once, whatever the fit extrapolated
-    assert run(False, step_s=1.0).L >= 1 and run(True, step_s=1.0, swap_s=0.5).L >= 1
-    assert run(True, step_s=0.05).L >= 1  # cheap drafts pay
+    assert h.L >= 1  # back to drafting at once
+
+    h = first_round(True, step_s=0.05)  # cheap drafts: 5 tokens in 3.2 s
+    h.update_rounds([(0, 0)], 0.0, 0.0, 1.2)
+    for n in (8, 16, 8, 16):  # drafting keeps winning once both were measured
+        assert h.L >= 1
+        h.update_rounds([(n, n // 2)], 0.05, 0.0, 2.6 + 0.2 * (n + 1))
+    assert h.L >= 1
+    h = first_round(False, step_s=1.0)
+    assert h.L >= 1
 
 
 def test_the_swap_floor_on_L_lasts_only_while_rounds_swap():
