@@ -20,10 +20,12 @@ sets it only with the full KV resident, where no round after the first swaps. Th
 first drafting round without a swap (a swap slows the drafting it shares the CPU with: measured,
 8 requests at 8k drafted at half speed while their stored prefixes swapped in) is plain: a plain
 step takes another attention path than a verify block, so its cost is measured, not extrapolated
-from the verify fit. From then on the measured tokens/s of plain and drafting rounds decide. While
-plain wins, drafting is tried again once the plain rounds since the last drafting round have run
-``probe_ratio`` times as long as that round took, so a change in acceptance or costs is noticed at
-a bounded price (about 1 / ``probe_ratio`` of the time; none in a short run).
+from the verify fit; a trial is ``plain_trial`` rounds, so one noisy step does not decide. From
+then on the measured tokens/s of plain and drafting rounds decide, and each mode is re-measured
+now and then, so a change in acceptance or costs is noticed at a bounded price: while plain wins,
+one drafting round once the plain rounds have run ``probe_ratio`` times as long as the last
+drafting round took (none in a short run); while drafting wins, a plain trial once drafting has run
+``probe_ratio`` times as long as a trial takes.
 """
 
 from __future__ import annotations
@@ -60,7 +62,9 @@ class Horizon:
     _hits: float = field(init=False, default=0.0)  # decayed accept / reject counts
     _trials: float = field(init=False, default=0.0)
     _verifies: deque = field(init=False, default_factory=lambda: deque(maxlen=16))  # (tokens verified, s)
-    _plain_s: float = field(init=False, default=0.0)  # seconds of plain rounds since drafting last ran
+    plain_trial: int = 2  # plain rounds per trial of plain decoding: one noisy step does not decide
+    _mode_s: float = field(init=False, default=0.0)  # seconds in the current mode (plain or drafting)
+    _trial_left: int = field(init=False, default=0)  # plain rounds before this trial may end
     _round_s: float = field(init=False, default=0.0)  # seconds of the last drafting round
     _plain_rate: float = field(init=False, default=0.0)  # measured tokens/s of plain rounds (0: none yet)
     _draft_rate: float = field(init=False, default=0.0)  # measured tokens/s of drafting rounds
@@ -95,9 +99,11 @@ class Horizon:
         if drafted == 0:  # a plain round (L = 0): its verify is one plain decode step, measured
             if verify_s > 0:
                 self._plain_rate = _ema(self._plain_rate, 1.0 / verify_s)
-                self._plain_s += verify_s
-            if self.L == 0 and (self._plain_rate <= self._draft_rate or self._plain_s >= self.probe_ratio * self._round_s):
-                self._plain_s, self.L = 0.0, max(1, self._probe_len)  # plain lost, or time to re-measure drafting
+                self._mode_s += verify_s
+            self._trial_left -= 1
+            if self.L == 0 and self._trial_left <= 0 and (
+                    self._plain_rate <= self._draft_rate or self._mode_s >= self.probe_ratio * self._round_s):
+                self._mode_s, self.L = 0.0, max(1, self._probe_len)  # plain lost, or time to re-measure drafting
             return
         rounds = [(d, a) for d, a in rounds if d > 0]
         mean_accepted = sum(a for _, a in rounds) / len(rounds)
@@ -106,6 +112,7 @@ class Horizon:
             if swap_s == 0:  # a swap shares the cores and memory bus with drafting: no rate evidence
                 self._round_s = drafted * draft_step_s + verify_s
                 self._draft_rate = _ema(self._draft_rate, (mean_accepted + 1) / self._round_s)
+                self._mode_s += self._round_s
         self._acc = _ema(self._acc, mean_accepted)
         if draft_step_s > 0:
             self._step_s = _ema(self._step_s, draft_step_s)
@@ -123,12 +130,14 @@ class Horizon:
         else:
             want = self.best(self._hits / self._trials, self._step_s, *cost)
         L = max(self.l_min, min(self.max_len, want))
-        if self.plain_ok and self._draft_rate > 0:
+        if self.plain_ok and self._draft_rate > 0 and (
+                self._plain_rate == 0 or self._plain_rate > self._draft_rate
+                or self._mode_s * self._plain_rate >= self.probe_ratio * self.plain_trial):
             # Plain decoding's cost is measured, not extrapolated from the verify fit (a 1-token
-            # step takes another path than a verify block): one plain round as soon as a drafting
-            # round without a swap was measured, then the measured rates of both modes decide.
-            if self._plain_rate == 0 or self._plain_rate > self._draft_rate:
-                self._probe_len, L = L, 0
+            # step takes another path than a verify block): a plain trial as soon as a drafting round
+            # without a swap was measured, then whenever it measured faster, and once drafting has
+            # run probe_ratio times as long as a trial takes.
+            self._probe_len, self._trial_left, self._mode_s, L = L, self.plain_trial, 0.0, 0
         self.L = L
 
     def best(self, a: float, t_draft: float, v0: float, v1: float) -> int:

@@ -118,11 +118,12 @@ def test_lock_step_shares_one_horizon(tiny_model):
 
 
 def test_auto_horizon_falls_back_to_plain_decoding_where_drafting_does_not_pay():
-    """With ``plain_ok`` the round after the first drafting one without a swap is plain (L = 0:
-    verify the last token alone = plain decoding), measured; then the measured rates decide. While plain wins,
-    drafting is tried again once plain rounds have run ``probe_ratio`` times as long as the last
-    drafting round. Without ``plain_ok`` L never drops to 0. (L = 0 rounds themselves are tested
-    token-identical in test_scheduling_changes_speed_not_tokens.)"""
+    """With ``plain_ok`` the rounds after the first drafting one without a swap are a plain trial
+    (L = 0: verify the last token alone = plain decoding; ``plain_trial`` rounds), measured; then the
+    measured rates decide, and each mode is re-measured now and then: drafting once plain rounds
+    have run ``probe_ratio`` times as long as the last drafting round, plain once drafting has run
+    ``probe_ratio`` times as long as a trial. Without ``plain_ok`` L never drops to 0. (L = 0
+    rounds themselves are tested token-identical in test_scheduling_changes_speed_not_tokens.)"""
     from lmcache_vericache.engine.horizon import Horizon
 
     def first_round(plain_ok, step_s):
@@ -143,15 +144,22 @@ def test_auto_horizon_falls_back_to_plain_decoding_where_drafting_does_not_pay()
     assert h.L == 0
 
     h = first_round(True, step_s=1.0)
-    h.update_rounds([(0, 0)], 0.0, 0.0, 60.0)  # the plain round measured slower than drafting:
-    assert h.L >= 1  # back to drafting at once
+    h.update_rounds([(0, 0)], 0.0, 0.0, 60.0)  # one slow plain step does not decide
+    assert h.L == 0
+    h.update_rounds([(0, 0)], 0.0, 0.0, 60.0)  # the trial measured plain slower than drafting:
+    assert h.L >= 1  # back to drafting
 
     h = first_round(True, step_s=0.05)  # cheap drafts: 5 tokens in 3.2 s
-    h.update_rounds([(0, 0)], 0.0, 0.0, 1.2)
-    for n in (8, 16, 8, 16):  # drafting keeps winning once both were measured
-        assert h.L >= 1
-        h.update_rounds([(n, n // 2)], 0.05, 0.0, 2.6 + 0.2 * (n + 1))
-    assert h.L >= 1
+    modes = []
+    for _ in range(12):
+        if h.L == 0:
+            h.update_rounds([(0, 0)], 0.0, 0.0, 1.2)
+        else:
+            h.update_rounds([(h.L, h.L)], 0.05, 0.0, 2.6 + 0.2 * (h.L + 1))
+        modes.append(h.L > 0)
+    # drafting wins: back to it after the first trial; another trial once drafting has run 4 x the
+    # trial's 2.4 s
+    assert modes[:2] == [False, True] and sum(modes) >= 7 and modes.count(False) >= 3
     h = first_round(False, step_s=1.0)
     assert h.L >= 1
 
