@@ -347,6 +347,7 @@ def _row(dtype, ctx, batch, m, params, temp, ref, ref_s, out, vc_s, eng, args) -
                full_step_ms=1e3 * statistics.median(ref_s) / max(1, statistics.mean(len(r.tokens) for r in ref) - 1),
                verify_ms=1e3 * statistics.mean(s.verify_s / max(1, s.rounds) for s in st),
                cached_chunks=sum(s.cached_chunks for s in st),
+               drafted_per_round=list(st[0].drafted),  # the first request's L per round (0: plain), last repeat
                loops=[loops(r.tokens) for r in ref], full_kv=eng.last_run["full_kv"], int8_draft=eng.int8_draft)
     row["speedup"] = row["vericache_tok_s"] / row["full_tok_s"]
     if temp == 0:  # where greedy outputs differ: the baseline's top-1 minus top-2 logit margin there

@@ -21,7 +21,8 @@ first drafting round without a swap (a swap slows the drafting it shares the CPU
 8 requests at 8k drafted at half speed while their stored prefixes swapped in) is plain: a plain
 step takes another attention path than a verify block, so its cost is measured, not extrapolated
 from the verify fit; a trial is ``plain_trial`` rounds, so one noisy step does not decide. From
-then on the measured tokens/s of plain and drafting rounds decide, and each mode is re-measured
+then on the measured tokens/s of plain and drafting rounds decide (the mode in use stays unless
+the other measured ``switch_margin`` faster), and each mode is re-measured
 now and then, so a change in acceptance or costs is noticed at a bounded price: while plain wins,
 one drafting round once the plain rounds have run ``probe_ratio`` times as long as the last
 drafting round took (none in a short run); while drafting wins, a plain trial once drafting has run
@@ -63,6 +64,8 @@ class Horizon:
     _trials: float = field(init=False, default=0.0)
     _verifies: deque = field(init=False, default_factory=lambda: deque(maxlen=16))  # (tokens verified, s)
     plain_trial: int = 2  # plain rounds per trial of plain decoding: one noisy step does not decide
+    switch_margin: float = 1.05  # the other mode must measure this much faster to be chosen
+    _plain_chosen: bool = field(init=False, default=False)
     _mode_s: float = field(init=False, default=0.0)  # seconds in the current mode (plain or drafting)
     _trial_left: int = field(init=False, default=0)  # plain rounds before this trial may end
     _round_s: float = field(init=False, default=0.0)  # seconds of the last drafting round
@@ -101,9 +104,10 @@ class Horizon:
                 self._plain_rate = _ema(self._plain_rate, 1.0 / verify_s)
                 self._mode_s += verify_s
             self._trial_left -= 1
-            if self.L == 0 and self._trial_left <= 0 and (
-                    self._plain_rate <= self._draft_rate or self._mode_s >= self.probe_ratio * self._round_s):
-                self._mode_s, self.L = 0.0, max(1, self._probe_len)  # plain lost, or time to re-measure drafting
+            if self.L == 0 and self._trial_left <= 0:
+                self._plain_chosen = self._prefer_plain()
+                if not self._plain_chosen or self._mode_s >= self.probe_ratio * self._round_s:
+                    self._mode_s, self.L = 0.0, max(1, self._probe_len)  # plain lost, or re-measure drafting
             return
         rounds = [(d, a) for d, a in rounds if d > 0]
         mean_accepted = sum(a for _, a in rounds) / len(rounds)
@@ -130,15 +134,24 @@ class Horizon:
         else:
             want = self.best(self._hits / self._trials, self._step_s, *cost)
         L = max(self.l_min, min(self.max_len, want))
-        if self.plain_ok and self._draft_rate > 0 and (
-                self._plain_rate == 0 or self._plain_rate > self._draft_rate
-                or self._mode_s * self._plain_rate >= self.probe_ratio * self.plain_trial):
+        if self.plain_ok and self._draft_rate > 0:
             # Plain decoding's cost is measured, not extrapolated from the verify fit (a 1-token
             # step takes another path than a verify block): a plain trial as soon as a drafting round
-            # without a swap was measured, then whenever it measured faster, and once drafting has
-            # run probe_ratio times as long as a trial takes.
-            self._probe_len, self._trial_left, self._mode_s, L = L, self.plain_trial, 0.0, 0
+            # without a swap was measured, then once drafting has run probe_ratio times as long as a
+            # trial takes; plain is chosen where the measured rates prefer it.
+            first = self._plain_rate == 0
+            self._plain_chosen = not first and self._prefer_plain()
+            if first or self._plain_chosen or self._mode_s * self._plain_rate >= self.probe_ratio * self.plain_trial:
+                self._trial_left = 0 if self._plain_chosen else self.plain_trial
+                self._probe_len, self._mode_s, L = L, 0.0, 0
         self.L = L
+
+    def _prefer_plain(self) -> bool:
+        """Whether the measured rates choose plain decoding; the mode chosen now stays unless the
+        other measured ``switch_margin`` faster (noise on a shared machine flipped them every few rounds)."""
+        if self._plain_chosen:
+            return not self._draft_rate > self.switch_margin * self._plain_rate
+        return self._plain_rate > self.switch_margin * self._draft_rate
 
     def best(self, a: float, t_draft: float, v0: float, v1: float) -> int:
         """The L in [1, max_len] with the most expected tokens per second of a round (0 if max_len is 0)."""

@@ -120,7 +120,8 @@ def test_lock_step_shares_one_horizon(tiny_model):
 def test_auto_horizon_falls_back_to_plain_decoding_where_drafting_does_not_pay():
     """With ``plain_ok`` the rounds after the first drafting one without a swap are a plain trial
     (L = 0: verify the last token alone = plain decoding; ``plain_trial`` rounds), measured; then the
-    measured rates decide, and each mode is re-measured now and then: drafting once plain rounds
+    measured rates decide (the mode in use stays unless the other measured ``switch_margin``
+    faster), and each mode is re-measured now and then: drafting once plain rounds
     have run ``probe_ratio`` times as long as the last drafting round, plain once drafting has run
     ``probe_ratio`` times as long as a trial. Without ``plain_ok`` L never drops to 0. (L = 0
     rounds themselves are tested token-identical in test_scheduling_changes_speed_not_tokens.)"""
@@ -142,6 +143,11 @@ def test_auto_horizon_falls_back_to_plain_decoding_where_drafting_does_not_pay()
     assert h.L == h._probe_len >= 1
     h.update_rounds([(h.L, 1)], 1.0, 0.0, 2.0 + 0.2 * h.L)  # drafting still loses: plain again
     assert h.L == 0
+
+    h = first_round(True, step_s=1.0)
+    for _ in range(2):  # plain measured 3% faster (0.476 against 0.463 tok/s): within the switch margin
+        h.update_rounds([(0, 0)], 0.0, 0.0, 2.1)
+    assert h.L >= 1  # drafting, the mode in use, stays
 
     h = first_round(True, step_s=1.0)
     h.update_rounds([(0, 0)], 0.0, 0.0, 60.0)  # one slow plain step does not decide
