@@ -20,7 +20,8 @@ sets it only with the full KV resident, where no round after the first swaps. Th
 first drafting round without a swap (a swap slows the drafting it shares the CPU with: measured,
 8 requests at 8k drafted at half speed while their stored prefixes swapped in) is plain: a plain
 step takes another attention path than a verify block, so its cost is measured, not extrapolated
-from the verify fit; a trial is ``plain_trial`` rounds, so one noisy step does not decide. From
+from the verify fit; a trial is ``plain_trial`` rounds and their median decides (one slow step
+does not). From
 then on the measured tokens/s of plain and drafting rounds decide (the mode in use stays unless
 the other measured ``switch_margin`` faster), and each mode is re-measured
 now and then, so a change in acceptance or costs is noticed at a bounded price: while plain wins,
@@ -32,6 +33,7 @@ drafting round took (none in a short run); while drafting wins, a plain trial on
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -63,13 +65,13 @@ class Horizon:
     _hits: float = field(init=False, default=0.0)  # decayed accept / reject counts
     _trials: float = field(init=False, default=0.0)
     _verifies: deque = field(init=False, default_factory=lambda: deque(maxlen=16))  # (tokens verified, s)
-    plain_trial: int = 2  # plain rounds per trial of plain decoding: one noisy step does not decide
+    plain_trial: int = 4  # plain rounds per trial (their median decides): one slow step does not
     switch_margin: float = 1.05  # the other mode must measure this much faster to be chosen
     _plain_chosen: bool = field(init=False, default=False)
     _mode_s: float = field(init=False, default=0.0)  # seconds in the current mode (plain or drafting)
     _trial_left: int = field(init=False, default=0)  # plain rounds before this trial may end
     _round_s: float = field(init=False, default=0.0)  # seconds of the last drafting round
-    _plain_rate: float = field(init=False, default=0.0)  # measured tokens/s of plain rounds (0: none yet)
+    _plain_steps: deque = field(init=False, default_factory=lambda: deque(maxlen=4))  # s of recent plain rounds
     _draft_rate: float = field(init=False, default=0.0)  # measured tokens/s of drafting rounds
     _probe_len: int = field(init=False, default=0)  # the best L >= 1 when plain decoding was chosen
 
@@ -101,7 +103,7 @@ class Horizon:
         drafted = max(d for d, _ in rounds)
         if drafted == 0:  # a plain round (L = 0): its verify is one plain decode step, measured
             if verify_s > 0:
-                self._plain_rate = _ema(self._plain_rate, 1.0 / verify_s)
+                self._plain_steps.append(verify_s)
                 self._mode_s += verify_s
             self._trial_left -= 1
             if self.L == 0 and self._trial_left <= 0:
@@ -145,6 +147,12 @@ class Horizon:
                 self._trial_left = 0 if self._plain_chosen else self.plain_trial
                 self._probe_len, self._mode_s, L = L, 0.0, 0
         self.L = L
+
+    @property
+    def _plain_rate(self) -> float:
+        """Tokens/s of plain rounds: the median of the recent ones (the first plain steps after
+        drafting rounds measured up to 25% slow), 0 before any."""
+        return 1.0 / statistics.median(self._plain_steps) if self._plain_steps else 0.0
 
     def _prefer_plain(self) -> bool:
         """Whether the measured rates choose plain decoding; the mode chosen now stays unless the
