@@ -4,8 +4,8 @@
 
     E(L) / (L * t_draft + v(L)),   E(L) = 1 + a + a^2 + ... + a^L,
 
-with ``a`` the measured per-token acceptance rate (accepted drafts over accept/reject trials),
-``t_draft`` the measured draft step and ``v(L) = v0 + v1 * (L + 1)`` the verify forward's cost fitted
+with ``a`` the measured per-token acceptance rate ((accepted drafts + 1) over (accept/reject trials + 2)),
+``t_draft`` the measured draft step (from rounds without a swap once there is one) and ``v(L) = v0 + v1 * (L + 1)`` the verify forward's cost fitted
 to recent rounds: near-constant where verifying is memory-bound (a GPU: L grows with acceptance),
 growing with L where it is compute-bound (a CPU verifying 17 tokens over 8k entries took 4 decode
 steps: L stays short). The swap of the full prefix must hide behind drafting, so L >= L_min =
@@ -61,6 +61,7 @@ class Horizon:
     L: int = field(init=False)
     _acc: float = field(init=False, default=0.0)
     _step_s: float = field(init=False, default=0.0)
+    _clean_step: bool = field(init=False, default=False)  # _step_s measured in a round without a swap
     _swap_s: float = field(init=False, default=0.0)
     _hits: float = field(init=False, default=0.0)  # decayed accept / reject counts
     _trials: float = field(init=False, default=0.0)
@@ -120,8 +121,11 @@ class Horizon:
                 self._draft_rate = _ema(self._draft_rate, (mean_accepted + 1) / self._round_s)
                 self._mode_s += self._round_s
         self._acc = _ema(self._acc, mean_accepted)
-        if draft_step_s > 0:
-            self._step_s = _ema(self._step_s, draft_step_s)
+        if draft_step_s > 0:  # steps beside a swap are slower: the first clean one replaces them
+            if swap_s == 0 and not self._clean_step:
+                self._step_s, self._clean_step = draft_step_s, True
+            elif swap_s == 0 or not self._clean_step:
+                self._step_s = _ema(self._step_s, draft_step_s)
         # The floor L >= swap / draft step holds while rounds swap (offload: every round). With the
         # full KV resident only the first round swaps (a stored prefix, once); keeping its floor
         # held every later round to a long L that a CPU's costly verify blocks do not repay.
@@ -134,7 +138,9 @@ class Horizon:
             all_in = all(a == d for d, a in rounds)
             want = 2 * drafted if all_in else math.ceil(1.5 * self._acc) + 1
         else:
-            want = self.best(self._hits / self._trials, self._step_s, *cost)
+            # Laplace's rule: a run of all-accepted drafts does not make a = 1, where the best L
+            # jumps between 1 and max_len on the sign of v0 - t_draft (noise at batch 8 on a CPU)
+            want = self.best((self._hits + 1) / (self._trials + 2), self._step_s, *cost)
         L = max(self.l_min, min(self.max_len, want))
         if self.plain_ok and self._draft_rate > 0:
             # Plain decoding's cost is measured, not extrapolated from the verify fit (a 1-token
