@@ -4,8 +4,9 @@
 
     E(L) / (L * t_draft + v(L)),   E(L) = 1 + a + a^2 + ... + a^L,
 
-with ``a`` the measured per-token acceptance rate ((accepted drafts + 1) over (accept/reject trials + 2)),
-``t_draft`` the measured draft step (from rounds without a swap once there is one) and ``v(L) = v0 + v1 * (L + 1)`` the verify forward's cost fitted
+with ``a`` the measured per-token acceptance rate (accepted drafts over accept/reject trials),
+``t_draft`` the measured draft step (from rounds without a swap once there is one), ``v(L) = v0 +
+v1 * (L + 1)`` the verify forward's cost fitted
 to recent rounds: near-constant where verifying is memory-bound (a GPU: L grows with acceptance),
 growing with L where it is compute-bound (a CPU verifying 17 tokens over 8k entries took 4 decode
 steps: L stays short). The swap of the full prefix must hide behind drafting, so L >= L_min =
@@ -138,9 +139,7 @@ class Horizon:
             all_in = all(a == d for d, a in rounds)
             want = 2 * drafted if all_in else math.ceil(1.5 * self._acc) + 1
         else:
-            # Laplace's rule: a run of all-accepted drafts does not make a = 1, where the best L
-            # jumps between 1 and max_len on the sign of v0 - t_draft (noise at batch 8 on a CPU)
-            want = self.best((self._hits + 1) / (self._trials + 2), self._step_s, *cost)
+            want = self.best(self._hits / self._trials, self._step_s, *cost)
         L = max(self.l_min, min(self.max_len, want))
         if self.plain_ok and self._draft_rate > 0:
             # Plain decoding's cost is measured, not extrapolated from the verify fit (a 1-token
