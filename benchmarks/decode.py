@@ -5,7 +5,8 @@ Per (dtype, context, batch, temperature): plain full-KV decoding in the engine's
 baseline, once for all methods), then VeriCache with each compressor: decode tokens/s (prefill
 excluded), speed-up, whether greedy tokens are identical to the baseline's (and, where not, the
 baseline's top-1/top-2 logit margin there), tokens per round, hidden swap fraction. Median of
-``--reps``; identity and acceptance are the last repeat's.
+``--reps``; the baseline's repeats alternate with the first compressor's (a shared host's speed
+drifts within a cell); identity and acceptance are the last repeat's.
 
 Step costs, per (dtype, context, batch, method), on the same prompts' caches: a 1-token step over
 the full KV (``t_full``), over the draft KV (``t_draft``) and a verify of L+1 tokens over the full KV
@@ -265,17 +266,17 @@ def main() -> None:
                         if mi == 0:  # the baseline, once per (context, batch, temperature) for all methods
                             base = VeriCacheEngine(model, store=store) if stored else \
                                 VeriCacheEngine(model, "int8", store="resident")
-                            ref_s = []
-                            for _ in range(args.reps):
+                            refs[temp] = (None, [])
+                        vc_s = []
+                        # Baseline and first method's repeats alternate, so a machine that slows down
+                        # or speeds up during the cell (a shared host: 1.6x within minutes) weighs on both.
+                        for _ in range(args.reps):
+                            if mi == 0:
                                 say(f"{dtype} {ctx} b{batch} T={temp}: full-KV baseline ({batch} x {ctx} tokens "
                                     f"{'from the store' if stored else 'prefilled'}, {args.new_tokens} steps)")
                                 s, ref = timed(lambda base=base, ps=ps, sampling=sampling: base.reference(
                                     ps, args.new_tokens, stored_prefix=stored, **sampling))
-                                ref_s.append(s)
-                            refs[temp] = (ref, ref_s)
-                        ref, ref_s = refs[temp]
-                        vc_s = []
-                        for _ in range(args.reps):
+                                refs[temp] = (ref, refs[temp][1] + [s])
                             say(f"{dtype} {ctx} b{batch} T={temp}: VeriCache {m}")
                             # A fresh engine per repeat (computed prefix: and store): a reused one would
                             # find the prompt's prefix in its own store and skip the prefill the baseline pays.
@@ -286,6 +287,7 @@ def main() -> None:
                             s, out = timed(lambda eng=eng, ps=ps, sampling=sampling: eng.generate(
                                 ps, args.new_tokens, **sampling))
                             vc_s.append(s)
+                        ref, ref_s = refs[temp]
                         rows.append(_row(dtype, ctx, batch, m, params, temp, ref, ref_s, out, vc_s, eng, args))
                         if args.step_reps:
                             if temp == temps[0]:  # the same caches and steps for every temperature
