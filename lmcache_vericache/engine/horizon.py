@@ -59,6 +59,8 @@ class Horizon:
     start_len: int = 8
     plain_ok: bool = False
     probe_ratio: float = 16.0
+    plain_trial: int = 4  # plain rounds per trial (their median decides): one slow step does not
+    switch_margin: float = 1.05  # the other mode must measure this much faster to be chosen
     L: int = field(init=False)
     _acc: float = field(init=False, default=0.0)
     _step_s: float = field(init=False, default=0.0)
@@ -67,13 +69,11 @@ class Horizon:
     _hits: float = field(init=False, default=0.0)  # decayed accept / reject counts
     _trials: float = field(init=False, default=0.0)
     _verifies: deque = field(init=False, default_factory=lambda: deque(maxlen=16))  # (tokens verified, s)
-    plain_trial: int = 4  # plain rounds per trial (their median decides): one slow step does not
-    switch_margin: float = 1.05  # the other mode must measure this much faster to be chosen
     _plain_chosen: bool = field(init=False, default=False)
     _mode_s: float = field(init=False, default=0.0)  # seconds in the current mode (plain or drafting)
     _trial_left: int = field(init=False, default=0)  # plain rounds before this trial may end
     _round_s: float = field(init=False, default=0.0)  # seconds of the last drafting round
-    _plain_steps: deque = field(init=False, default_factory=lambda: deque(maxlen=4))  # s of recent plain rounds
+    _plain_steps: deque = field(init=False, default_factory=lambda: deque(maxlen=4))  # s of the last plain rounds
     _draft_rate: float = field(init=False, default=0.0)  # measured tokens/s of drafting rounds
     _probe_len: int = field(init=False, default=0)  # the best L >= 1 when plain decoding was chosen
 
