@@ -255,7 +255,7 @@ def main() -> None:
         for ctx in contexts:
             for batch in batches:
                 ps = prompts(tok, ctx + stored, batch)  # stored: ctx cached positions + the last prompt token
-                refs: dict[float, tuple] = {}
+                refs: dict[float, list] = {}
                 for mi, (m, params) in enumerate(methods):
                     store = stored_prompts(model, m, params, ps, kvs[:batch]) if stored else None
                     if args.step_reps and mi == 0:
@@ -266,7 +266,7 @@ def main() -> None:
                         if mi == 0:  # the baseline, once per (context, batch, temperature) for all methods
                             base = VeriCacheEngine(model, store=store) if stored else \
                                 VeriCacheEngine(model, "int8", store="resident")
-                            refs[temp] = (None, [])
+                            refs[temp] = [None, []]  # the last repeat's results, every repeat's seconds
                         vc_s = []
                         # Baseline and first method's repeats alternate, so a machine that slows down
                         # or speeds up during the cell (a shared host: 1.6x within minutes) weighs on both.
@@ -276,7 +276,8 @@ def main() -> None:
                                     f"{'from the store' if stored else 'prefilled'}, {args.new_tokens} steps)")
                                 s, ref = timed(lambda base=base, ps=ps, sampling=sampling: base.reference(
                                     ps, args.new_tokens, stored_prefix=stored, **sampling))
-                                refs[temp] = (ref, refs[temp][1] + [s])
+                                refs[temp][0] = ref
+                                refs[temp][1].append(s)
                             say(f"{dtype} {ctx} b{batch} T={temp}: VeriCache {m}")
                             # A fresh engine per repeat (computed prefix: and store): a reused one would
                             # find the prompt's prefix in its own store and skip the prefill the baseline pays.

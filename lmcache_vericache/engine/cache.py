@@ -143,8 +143,8 @@ def append_chunks(cache: KVCache, ckvs: Sequence[CompressedKV], compressor: KVCo
         if all(p is not None for p in packed):
             # One append per layer of all chunks' codes: appending chunk by chunk re-copied the
             # growing prefix each time (quadratic: 0.8 s of an 8k prompt's 30 layers at batch 1).
-            for li in range(len(packed[0]) if packed else 0):
-                cache.packed.append(li, *(torch.cat([layers[li][j] for layers in packed], dim=1) for j in range(4)))
+            for li, per_chunk in enumerate(zip(*packed)):  # per layer: each chunk's (kq, ks, vq, vs)
+                cache.packed.append(li, *(torch.cat(parts, dim=1) for parts in zip(*per_chunk)))
             cache.reserve(room)
             cache.n = 0
             return

@@ -5,9 +5,8 @@
     E(L) / (L * t_draft + v(L)),   E(L) = 1 + a + a^2 + ... + a^L,
 
 with ``a`` the measured per-token acceptance rate (accepted drafts over accept/reject trials),
-``t_draft`` the measured draft step (from rounds without a swap once there is one), ``v(L) = v0 +
-v1 * (L + 1)`` the verify forward's cost fitted
-to recent rounds: near-constant where verifying is memory-bound (a GPU: L grows with acceptance),
+``t_draft`` the measured draft step (from rounds without a swap once there is one) and
+``v(L) = v0 + v1 * (L + 1)`` the verify forward's cost fitted to recent rounds: near-constant where verifying is memory-bound (a GPU: L grows with acceptance),
 growing with L where it is compute-bound (a CPU verifying 17 tokens over 8k entries took 4 decode
 steps: L stays short). The swap of the full prefix must hide behind drafting, so L >= L_min =
 ceil(T_swap / t_draft) while rounds swap. Until two different L were verified, L doubles after a round that accepted
@@ -22,12 +21,11 @@ first drafting round without a swap (a swap slows the drafting it shares the CPU
 8 requests at 8k drafted at half speed while their stored prefixes swapped in) is plain: a plain
 step takes another attention path than a verify block, so its cost is measured, not extrapolated
 from the verify fit; a trial is ``plain_trial`` rounds and their median decides (one slow step
-does not). From
-then on the measured tokens/s of plain and drafting rounds decide (the mode in use stays unless
-the other measured ``switch_margin`` faster), and each mode is re-measured
-now and then, so a change in acceptance or costs is noticed at a bounded price: while plain wins,
-one drafting round once the plain rounds have run ``probe_ratio`` times as long as the last
-drafting round took (none in a short run); while drafting wins, a plain trial once drafting has run
+does not). From then on the measured tokens/s of plain and drafting rounds decide (the mode in use
+stays unless the other measured ``switch_margin`` faster), and each mode is re-measured now and
+then, so a change in acceptance or costs is noticed at a bounded price: while plain wins, one
+drafting round once the plain rounds have run ``probe_ratio`` times as long as the last drafting
+round took (none in a short run); while drafting wins, a plain trial once drafting has run
 ``probe_ratio`` times as long as a trial takes.
 """
 
@@ -73,13 +71,14 @@ class Horizon:
     _mode_s: float = field(init=False, default=0.0)  # seconds in the current mode (plain or drafting)
     _trial_left: int = field(init=False, default=0)  # plain rounds before this trial may end
     _round_s: float = field(init=False, default=0.0)  # seconds of the last drafting round
-    _plain_steps: deque = field(init=False, default_factory=lambda: deque(maxlen=4))  # s of the last plain rounds
+    _plain_steps: deque = field(init=False)  # seconds of the last plain_trial plain rounds
     _draft_rate: float = field(init=False, default=0.0)  # measured tokens/s of drafting rounds
     _probe_len: int = field(init=False, default=0)  # the best L >= 1 when plain decoding was chosen
 
     def __post_init__(self) -> None:
         check_draft_len(self.draft_len, self.max_len)
         self.L = min(self.start_len, self.max_len) if self.draft_len == "auto" else int(self.draft_len)
+        self._plain_steps = deque(maxlen=self.plain_trial)
 
     @property
     def l_min(self) -> int:

@@ -64,8 +64,8 @@ class Int8Prefix:
                    [codes(heads, 0, head_dim, 4) for _ in range(layers)], [scales() for _ in range(layers)])
 
     def append(self, layer: int, kq: Tensor, ks: Tensor, vq: Tensor, vs: Tensor) -> None:
-        """Append one chunk's codes ``[H, n, D]`` and scales ``[H, n]`` (any float dtype) to a layer.
-        Only a partly filled last block is re-blocked (chunks are whole blocks: none is); earlier
+        """Append codes ``[H, n, D]`` and scales ``[H, n]`` (any float dtype; one or more chunks) to a
+        layer. Only a partly filled last block is re-blocked (chunks are whole blocks: none is); earlier
         blocks are copied as they are (re-blocking them all made laying out an 8k prefix chunk by
         chunk take 1.6 s)."""
         n = self.length(layer)

@@ -132,6 +132,7 @@ def test_auto_horizon_falls_back_to_plain_decoding_where_drafting_does_not_pay()
         h.update_rounds([(8, 4)], 9.0, 5.0, 2.8)  # a round that swapped: its slow steps are no evidence
         assert h.L >= 1
         h.update_rounds([(8, 4)], step_s, 0.0, 2.8)  # 5 tokens in 8 steps + a 2.8 s verify
+        assert h._step_s == step_s and h._draft_rate == 5 / (8 * step_s + 2.8)  # only the clean round counted
         return h
 
     h = first_round(True, step_s=1.0)  # 5 tokens in 10.8 s
