@@ -1,10 +1,12 @@
 """The model interface over a Hugging Face Llama-family ``*ForCausalLM`` (Llama, SmolLM2, Mistral,
-Qwen2, Qwen3): the HF modules are called as they are, so the weights are shared, not copied."""
+Qwen2, Qwen3): the HF modules and their weights are used as they are (shared, not copied); their
+``nn.Linear`` layers run through :func:`~.linear.linear` (the package's few-rows kernel on a CPU)."""
 
 from __future__ import annotations
 
 import torch
 
+from .linear import apply
 from .model import DecoderModel, check_full_attention, eos_ids
 
 Tensor = torch.Tensor
@@ -42,8 +44,8 @@ class HfModel(DecoderModel):
 
     def qkv(self, layer: int, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         attn, n, d = self.layers[layer].self_attn, h.shape[0], self.head_dim
-        return (attn.q_proj(h).view(n, self.num_heads, d), attn.k_proj(h).view(n, self.num_kv_heads, d),
-                attn.v_proj(h).view(n, self.num_kv_heads, d))
+        return (apply(attn.q_proj, h).view(n, self.num_heads, d), apply(attn.k_proj, h).view(n, self.num_kv_heads, d),
+                apply(attn.v_proj, h).view(n, self.num_kv_heads, d))
 
     def qk_norm(self, layer: int, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         attn = self.layers[layer].self_attn
@@ -52,16 +54,20 @@ class HfModel(DecoderModel):
         return q, k
 
     def o_proj(self, layer: int, x: Tensor) -> Tensor:
-        return self.layers[layer].self_attn.o_proj(x)
+        return apply(self.layers[layer].self_attn.o_proj, x)
 
     def post_attention_norm(self, layer: int, x: Tensor) -> Tensor:
         return self.layers[layer].post_attention_layernorm(x)
 
     def mlp(self, layer: int, x: Tensor) -> Tensor:
-        return self.layers[layer].mlp(x)
+        mlp = self.layers[layer].mlp
+        if not all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            return mlp(x)
+        # the gated MLP of every Llama-family model: down(act(gate(x)) * up(x))
+        return apply(mlp.down_proj, mlp.act_fn(apply(mlp.gate_proj, x)) * apply(mlp.up_proj, x))
 
     def final_norm(self, x: Tensor) -> Tensor:
         return self.body.norm(x)
 
     def lm_head(self, x: Tensor) -> Tensor:
-        return self.hf.lm_head(x)
+        return apply(self.hf.lm_head, x)

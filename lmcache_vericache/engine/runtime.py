@@ -160,6 +160,8 @@ class Runtime:
             # built (a minute) or loaded (seconds) now, once per process, not inside a timed round or
             # a vLLM step
             kernels.build("dense_attention")
+            if isinstance(self.model, HfModel):  # its nn.Linear layers run through engine/linear.py
+                kernels.build("linear")
 
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache.empty(self.num_layers, self.num_kv_heads, self.head_dim, capacity, self.dtype, self.device)

@@ -1,0 +1,122 @@
+// A linear layer for the few rows of a decode step or a verify block (engine/linear.py):
+// y [M, N] float32 = x [M, K] float32 . w [N, K]^T, w float32 or bf16 (an nn.Linear weight as it
+// is, rows contiguous), K a multiple of the vector width.
+//
+// Why: with M = 1-200 rows the weights dominate the bytes, and the BLAS PyTorch calls on a CPU ran
+// far from that bound here (MKL on an AVX2-only AMD EPYC, SmolLM2-135M's layers: 8 fp32 rows at
+// 15 GFLOP/s, 2.6x the time of one row; bf16 weights, which it has no arithmetic for, at 10
+// GFLOP/s for any M: a 17-row bf16 verify block's layers cost 15 decode steps'). Here each block of
+// kCols weight rows is read from memory once, widened to float once per vector (bf16), and
+// multiplied into R x kCols register accumulators for every block of R <= kRowsMax input rows
+// while it sits in L1.
+//
+// Each output element is one dot product, its K products summed lane-wise (lane l takes k = l mod
+// kW) and the lanes then in a fixed order: row m's result depends on x[m] and w only, not on M or
+// on which block the row fell in. A decode step and a verify block therefore compute the same
+// linear layers bit for bit, which lossless decoding does not need (it compares against itself)
+// but which keeps greedy ties out of a batch's shape.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include "common.h"
+
+#include <algorithm>
+
+namespace {
+
+using vericache::kVecRegs;
+using vericache::kW;
+using vericache::load_as_float;
+using vericache::load_floats;
+using vericache::vfloat;
+
+// Accumulators R x kCols plus kCols weight vectors and one input vector fit the register file:
+// AVX2 / SSE (16 registers) 4 x 3 + 3 + 1, AVX-512 (32) 4 x 5 + 5 + 1.
+constexpr int kRowsMax = 4;
+constexpr int kCols = (kVecRegs - 1) / (kRowsMax + 1);
+
+#if defined(__AVX2__) && !defined(VERICACHE_VEC_WIDTH)
+#include <immintrin.h>
+inline vfloat widen(const float* p) { return load_floats(p); }
+inline vfloat widen(const c10::BFloat16* p) {
+  const __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+  return reinterpret_cast<vfloat>(w);
+}
+#else
+template <typename T> inline vfloat widen(const T* p) { return load_as_float(p); }
+#endif
+
+// Elements of a weight row fetched ahead of the products.
+constexpr int64_t kAhead = 512;
+
+inline float lane_sum(vfloat a) {
+  float s = 0.f;
+  for (int l = 0; l < kW; ++l) s += a[l];  // a fixed order: the batch invariance above
+  return s;
+}
+
+// y[r, j] for R rows of x (row stride K) and the weight rows w0 + j*K, j < cols (the rest repeat
+// the last one and are not stored).
+template <int R, typename T>
+inline void block(const float* __restrict__ x, const T* __restrict__ w0, int64_t K, int cols,
+                  float* __restrict__ y, int64_t ldy) {
+  vfloat acc[R][kCols] = {};
+  const T* wr[kCols];
+  for (int j = 0; j < kCols; ++j) wr[j] = w0 + std::min(j, cols - 1) * K;
+  for (int64_t k = 0; k < K; k += kW) {
+    vfloat wv[kCols];
+    for (int j = 0; j < kCols; ++j) {
+      __builtin_prefetch(wr[j] + k + kAhead);
+      wv[j] = widen(wr[j] + k);
+    }
+    for (int r = 0; r < R; ++r) {
+      const vfloat xv = load_floats(x + r * K + k);
+      for (int j = 0; j < kCols; ++j) acc[r][j] += xv * wv[j];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < cols; ++j) y[r * ldy + j] = lane_sum(acc[r][j]);
+}
+
+template <typename T>
+torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const T* wp = w.data_ptr<T>();
+  float* yp = y.data_ptr<float>();
+  const int64_t col_blocks = (N + kCols - 1) / kCols;
+  // threads split the weight rows: each reads its share of w once, for all M rows
+  at::parallel_for(0, col_blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * kCols;
+      const int cols = static_cast<int>(std::min<int64_t>(kCols, N - n0));
+      const T* w0 = wp + n0 * K;
+      int64_t m = 0;
+      for (; m + kRowsMax <= M; m += kRowsMax) block<kRowsMax>(xp + m * K, w0, K, cols, yp + m * N + n0, N);
+      switch (M - m) {  // the last rows: as many accumulators as rows, no wasted products
+        case 3: block<3>(xp + m * K, w0, K, cols, yp + m * N + n0, N); break;
+        case 2: block<2>(xp + m * K, w0, K, cols, yp + m * N + n0, N); break;
+        case 1: block<1>(xp + m * K, w0, K, cols, yp + m * N + n0, N); break;
+        default: break;
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+torch::Tensor linear(torch::Tensor x, torch::Tensor w) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x must be contiguous float32 [M, K]");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1), "w must be contiguous [N, K] with x's K");
+  TORCH_CHECK(x.size(1) % kW == 0, "K must be a multiple of ", kW, ", got ", x.size(1));
+  if (w.dtype() == torch::kFloat32) return run<float>(x, w);
+  if (w.dtype() == torch::kBFloat16) return run<c10::BFloat16>(x, w);
+  TORCH_CHECK(false, "linear: float32 or bfloat16 weights only");
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear", &linear, "x . w^T for a few rows of x (float32 out)", py::arg("x"), py::arg("w"));
+  m.attr("vec_width") = kW;
+}

@@ -1,0 +1,106 @@
+"""The few-rows linear kernel (engine/kernels/linear.cpp) and its dispatch (engine/linear.py):
+the products of fp32 and bf16 weights to float rounding, rows independent of the batch, every
+block size and tail, and PyTorch where the kernel does not apply."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lmcache_vericache.engine import kernels
+from lmcache_vericache.engine import linear as lin
+
+needs_compiler = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler: PyTorch's path is taken")
+
+
+def _exact(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.double() @ w.double().T
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 17, 64, 136])
+def test_the_kernel_computes_x_times_w_transposed(dtype, rows):
+    """Every row-block size (4 and the 1-3 tails) and a column count no block size divides (191),
+    against float64 from the same (bf16-rounded) weights."""
+    mod = kernels.build("linear")
+    g = torch.Generator().manual_seed(rows)
+    for k, n in ((576, 191), (1536, 576), (64, 7)):
+        x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g).to(dtype)
+        y = mod.linear(x, w)
+        assert y.dtype == torch.float32 and y.shape == (rows, n)
+        torch.testing.assert_close(y.double(), _exact(x, w), atol=1e-4 * k ** 0.5, rtol=1e-5)
+
+
+@needs_compiler
+def test_a_row_does_not_depend_on_the_rows_beside_it():
+    """Row m's output is bit-identical whether it runs alone, in a block of 4 or in a 3-row tail:
+    a decode step and a verify block compute the same linear layers."""
+    mod = kernels.build("linear")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(23, 576, generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.randn(200, 576, generator=g).to(dtype)
+        full = mod.linear(x, w)
+        for m in (0, 5, 21, 22):
+            assert torch.equal(mod.linear(x[m:m + 1].contiguous(), w)[0], full[m])
+        assert torch.equal(mod.linear(x[3:10].contiguous(), w), full[3:10])
+
+
+@needs_compiler
+def test_the_kernel_rejects_what_it_cannot_compute():
+    mod = kernels.build("linear")
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="float32"):
+        mod.linear(x.double(), torch.randn(8, 64).double())
+    with pytest.raises(RuntimeError, match="x's K"):
+        mod.linear(x, torch.randn(8, 32))
+    with pytest.raises(RuntimeError, match="multiple of"):
+        mod.linear(torch.randn(2, 60), torch.randn(8, 60))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        mod.linear(x, torch.randn(8, 64).half())
+
+
+@needs_compiler
+def test_the_kernel_gives_the_same_result_at_every_vector_width():
+    """The vector width follows the CPU (16 floats with AVX-512, 8 with AVX2); the other width's
+    code is built here too and agrees with the native one to float rounding."""
+    native = kernels.build("linear")
+    other = kernels.build("linear", vec_width=8 if native.vec_width == 16 else 16)
+    assert other is not None and other.vec_width != native.vec_width
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w = torch.randn(9, 576, generator=g), torch.randn(70, 576, generator=g).to(dtype)
+        torch.testing.assert_close(other.linear(x, w), native.linear(x, w), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 17, lin.MAX_ROWS + 1])
+def test_linear_is_f_linear_in_the_input_dtype(dtype, rows):
+    """Every path of the dispatch (kernel up to MAX_ROWS, BLAS above; bias added) gives
+    F.linear's result in x's dtype, to that dtype's rounding."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 128, generator=g).to(dtype)
+    w, b = torch.randn(48, 128, generator=g).to(dtype), torch.randn(48, generator=g).to(dtype)
+    for bias in (None, b):
+        y = lin.linear(x, w, bias)
+        assert y.dtype == dtype and y.shape == (rows, 48)
+        want = _exact(x, w) + (0 if bias is None else bias.double())
+        tol = 1e-4 if dtype == torch.float32 else 0.1  # bf16: the output's own rounding (|y| ~ 10)
+        torch.testing.assert_close(y.double(), want, atol=tol, rtol=tol)
+
+
+def test_linear_takes_pytorchs_path_where_the_kernel_does_not_apply():
+    """fp16 weights, a K no vector width divides, 3-d inputs: F.linear, bit for bit."""
+    g = torch.Generator().manual_seed(4)
+    cases = [(torch.randn(3, 64, generator=g).half(), torch.randn(8, 64, generator=g).half()),
+             (torch.randn(3, 60, generator=g), torch.randn(8, 60, generator=g)),
+             (torch.randn(2, 3, 64, generator=g), torch.randn(8, 64, generator=g))]
+    for x, w in cases:
+        assert torch.equal(lin.linear(x, w), F.linear(x, w))
+    module = torch.nn.LayerNorm(64)  # not an nn.Linear: called as it is
+    x = torch.randn(3, 64, generator=g)
+    assert torch.equal(lin.apply(module, x), module(x))
