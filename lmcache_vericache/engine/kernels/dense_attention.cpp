@@ -46,7 +46,7 @@ constexpr int64_t kTile = 512;  // tokens per work item
 constexpr int kRows = kW;       // query rows per score vector (one register of floats)
 constexpr int kTok = 4;         // tokens scored together (share each q load)
 // Row vectors scored together (share each k broadcast): AVX2 can issue two FMAs per load only so.
-constexpr int kScoreVecs = kW == 16 ? 1 : 2;
+constexpr int kScoreVecs = kW == 16 ? 1 : 3;
 
 // A verify block's causal part: row i is the block's token i % n (n > 0), which sees the entries up
 // to its own; `first` is the tile's index of the block's first entry. Later entries get -inf.
@@ -102,6 +102,42 @@ inline void score_block(const float* __restrict__ qt, int64_t mp, int64_t ib, co
     for (int r = 0; r < R; ++r) store_floats(s + u * mp + ib + r * kRows, acc[r][u]);
 }
 
+// Vectors of dimensions per accumulator block of R rows: as many as leave registers for them
+// and one broadcast probability (AVX2, D = 64: 6 rows x 2 vectors or 2 x 4; AVX-512 6 x 4).
+constexpr int pv_chunk(int R, int vecs) {
+  int c = vecs < 4 ? vecs : 4;
+  while (c > 1 && R * c + c + 1 > kVecRegs) c /= 2;
+  return c;
+}
+// Rows a verify block's p v takes together: 12 (AVX2) or 24 (AVX-512) accumulators hide the FMA
+// latency; 2 x 4 (8 on AVX2) left the FMA units a fifth idle.
+constexpr int kPvRows = 6;
+
+// o [rows ib..ib+R, D] += p v over tokens t0..t1 of the tile (vf: their V rows as floats, from
+// t0); rows past m are computed from whatever s holds there (padding, the next token's rows, the
+// slack after the last) and discarded.
+template <int R, int D>
+inline void pv_rows(const float* __restrict__ s, int64_t mp, int64_t ib, int64_t m, const float* __restrict__ vf,
+                    int64_t t0, int64_t t1, float* __restrict__ o) {
+  constexpr int kVecs = D / kW, kChunk = pv_chunk(R, kVecs);
+  const int64_t rows = std::min<int64_t>(R, m - ib);
+  for (int c0 = 0; c0 < kVecs; c0 += kChunk) {
+    vfloat acc[R][kChunk] = {};
+    if (t0 > 0)
+      for (int64_t r = 0; r < rows; ++r)
+        for (int j = 0; j < kChunk; ++j) acc[r][j] = load_floats(o + (ib + r) * D + (c0 + j) * kW);
+    for (int64_t t = t0; t < t1; ++t) {
+      vfloat vv[kChunk];
+      for (int j = 0; j < kChunk; ++j) vv[j] = load_floats(vf + (t - t0) * D + (c0 + j) * kW);
+      const float* __restrict__ p = s + t * mp + ib;
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < kChunk; ++j) acc[r][j] += vv[j] * p[r];
+    }
+    for (int64_t r = 0; r < rows; ++r)
+      for (int j = 0; j < kChunk; ++j) store_floats(o + (ib + r) * D + (c0 + j) * kW, acc[r][j]);
+  }
+}
+
 // One (head, tile): scores s [nt, mp] (token-major, rows padded to mp), then per-row max / sum
 // and the unnormalized output o [m, D].
 template <typename T, int D>
@@ -122,13 +158,9 @@ void tile(const float* __restrict__ qt, int64_t m, int64_t mp, const T* __restri
   }
   mask_block(s, nt, mp, first, n);
   softmax_numerators(s, nt, mp, mx, sum);
-  // o = p v in blocks of kOutRows rows x kChunk vectors of dimensions, the block's accumulators in
-  // registers (AVX-512, D = 64: 4 rows x 4 vectors; AVX2: 2 rows x 4 vectors, twice per row), over
-  // kSub tokens at a time: their V rows stay in L1 for every block (a whole tile's V, 64-128 KB,
-  // streamed from L2 once per block was half of a verify block's time on AVX2)
-  constexpr int kVecs = D / kW, kChunk = kVecs < 4 ? kVecs : 4, kOutRows = kVecRegs / 2 / kChunk;
+  // o = p v over kSub tokens at a time: their V rows stay in L1 for every block of rows (a whole
+  // tile's V, 64-128 KB, streamed from L2 once per block was half of a verify block's time on AVX2)
   constexpr int64_t kSub = 32;
-  static_assert(kRows % kOutRows == 0, "padded rows must hold whole output blocks");
   float vslice[kSub * D];  // a bf16 slice widened once, not once per row block
   for (int64_t t0 = 0; t0 < nt; t0 += kSub) {
     const int64_t t1 = std::min(nt, t0 + kSub);
@@ -138,22 +170,14 @@ void tile(const float* __restrict__ qt, int64_t m, int64_t mp, const T* __restri
         for (int c = 0; c < D / kW; ++c) store_floats(vslice + (t - t0) * D + c * kW, load_as_float(v + t * D + c * kW));
       vf = vslice;
     }
-    for (int64_t ib = 0; ib < m; ib += kOutRows) {
-      const int64_t rows = std::min<int64_t>(kOutRows, m - ib);  // past m: padded, discarded
-      for (int c0 = 0; c0 < kVecs; c0 += kChunk) {
-        vfloat acc[kOutRows][kChunk] = {};
-        if (t0 > 0)
-          for (int64_t r = 0; r < rows; ++r)
-            for (int j = 0; j < kChunk; ++j) acc[r][j] = load_floats(o + (ib + r) * D + (c0 + j) * kW);
-        for (int64_t t = t0; t < t1; ++t) {
-          vfloat vv[kChunk];
-          for (int j = 0; j < kChunk; ++j) vv[j] = load_floats(vf + (t - t0) * D + (c0 + j) * kW);
-          const float* __restrict__ p = s + t * mp + ib;
-          for (int r = 0; r < kOutRows; ++r)
-            for (int j = 0; j < kChunk; ++j) acc[r][j] += vv[j] * p[r];
-        }
-        for (int64_t r = 0; r < rows; ++r)
-          for (int j = 0; j < kChunk; ++j) store_floats(o + (ib + r) * D + (c0 + j) * kW, acc[r][j]);
+    // blocks of kPvRows rows (a verify block's 3 x 17 rows); a decode step's few rows in blocks of 2
+    for (int64_t ib = 0; ib < m;) {
+      if (m - ib > 4) {
+        pv_rows<kPvRows, D>(s, mp, ib, m, vf, t0, t1, o);
+        ib += kPvRows;
+      } else {
+        pv_rows<2, D>(s, mp, ib, m, vf, t0, t1, o);
+        ib += 2;
       }
     }
   }
@@ -250,7 +274,7 @@ template <typename T, int D>
 std::vector<torch::Tensor> run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, float scale,
                                bool use_dp, int64_t causal) {
   const int64_t H = q.size(0), m = q.size(1), S = k.size(1);
-  const int64_t mp = (m + kRows - 1) / kRows * kRows;  // rows padded (a multiple of kOutRows too)
+  const int64_t mp = (m + kRows - 1) / kRows * kRows;  // rows padded to whole score vectors
   const int64_t tiles = (S + kTile - 1) / kTile;
   const bool dp = VERICACHE_DPBF16 && std::is_same_v<T, at::BFloat16> && use_dp;
   const float* qp = q.data_ptr<float>();
@@ -273,7 +297,7 @@ std::vector<torch::Tensor> run(const torch::Tensor& q, const torch::Tensor& k, c
   const T* vp = v.data_ptr<T>();
   const int64_t ks = k.stride(0), vs = v.stride(0);
   at::parallel_for(0, H * tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(static_cast<size_t>(kTile * mp));
+    std::vector<float> s(static_cast<size_t>(kTile * mp + kPvRows));  // + the slack pv_rows may read
     std::vector<uint32_t> p(dp ? static_cast<size_t>(kTile / 2 * mp) : 0);
     for (int64_t w = begin; w < end; ++w) {
       const int64_t h = w / tiles, t0 = (w % tiles) * kTile, nt = std::min(kTile, S - t0);
