@@ -48,9 +48,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         if weight.dtype == torch.bfloat16:  # no bf16 arithmetic: the fp32 BLAS on widened copies, 5x faster
             return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
         return F.linear(x, weight, bias)
-    y = mod.linear(x.float().contiguous(), weight)
-    if bias is not None:
-        y += bias
+    if bias is None:
+        return mod.linear(x.contiguous(), weight)  # x's dtype out: no conversions around the call
+    y = mod.linear(x.float().contiguous(), weight)  # the bias added to the float sums, rounded once
+    y += bias
     return y.to(x.dtype)
 
 

@@ -33,6 +33,11 @@ def test_the_kernel_computes_x_times_w_transposed(dtype, rows):
         y = mod.linear(x, w)
         assert y.dtype == torch.float32 and y.shape == (rows, n)
         torch.testing.assert_close(y.double(), _exact(x, w), atol=1e-4 * k ** 0.5, rtol=1e-5)
+        # bf16 rows: widened, the float sums rounded to bf16 once (as .to() rounds them)
+        xb = x.bfloat16()
+        yb = mod.linear(xb, w)
+        assert yb.dtype == torch.bfloat16
+        assert torch.equal(yb, mod.linear(xb.float(), w).bfloat16())
 
 
 @needs_compiler
@@ -54,7 +59,7 @@ def test_a_row_does_not_depend_on_the_rows_beside_it():
 def test_the_kernel_rejects_what_it_cannot_compute():
     mod = kernels.build("linear")
     x = torch.randn(2, 64)
-    with pytest.raises(RuntimeError, match="float32"):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 \\[M, K\\]"):
         mod.linear(x.double(), torch.randn(8, 64).double())
     with pytest.raises(RuntimeError, match="x's K"):
         mod.linear(x, torch.randn(8, 32))

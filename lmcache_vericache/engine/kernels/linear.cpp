@@ -1,6 +1,6 @@
 // A linear layer for the few rows of a decode step or a verify block (engine/linear.py):
-// y [M, N] float32 = x [M, K] float32 . w [N, K]^T, w float32 or bf16 (an nn.Linear weight as it
-// is, rows contiguous), K a multiple of the vector width.
+// y [M, N] = x [M, K] . w [N, K]^T in x's dtype, x and w float32 or bf16 (w an nn.Linear weight as
+// it is, rows contiguous), float32 sums, K a multiple of the vector width.
 //
 // Why: with M = 1-200 rows the weights dominate the bytes, and the BLAS PyTorch calls on a CPU ran
 // far from that bound here (MKL on an AVX2-only AMD EPYC, SmolLM2-135M's layers: 8 fp32 rows at
@@ -21,6 +21,8 @@
 #include "common.h"
 
 #include <algorithm>
+#include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -56,10 +58,10 @@ inline float lane_sum(vfloat a) {
 }
 
 // y[r, j] for R rows of x (row stride K) and the weight rows w0 + j*K, j < cols (the rest repeat
-// the last one and are not stored).
-template <int R, typename T>
+// the last one and are not stored), stored as TY (bf16: rounded to nearest even, as .to() does).
+template <int R, typename T, typename TY>
 inline void block(const float* __restrict__ x, const T* __restrict__ w0, int64_t K, int cols,
-                  float* __restrict__ y, int64_t ldy) {
+                  TY* __restrict__ y, int64_t ldy) {
   vfloat acc[R][kCols] = {};
   const T* wr[kCols];
   for (int j = 0; j < kCols; ++j) wr[j] = w0 + std::min(j, cols - 1) * K;
@@ -75,16 +77,26 @@ inline void block(const float* __restrict__ x, const T* __restrict__ w0, int64_t
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < cols; ++j) y[r * ldy + j] = lane_sum(acc[r][j]);
+    for (int j = 0; j < cols; ++j) y[r * ldy + j] = static_cast<TY>(lane_sum(acc[r][j]));
 }
 
-template <typename T>
+template <typename T, typename TY>
 torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   auto y = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
+  // bf16 rows widened once here (a few KB), not once per block of weight rows
+  std::vector<float> widened;
+  const float* xp;
+  if constexpr (std::is_same_v<TY, float>) {
+    xp = x.data_ptr<float>();
+  } else {
+    widened.resize(static_cast<size_t>(M * K));
+    const TY* xb = x.data_ptr<TY>();
+    for (int64_t i = 0; i < M * K; ++i) widened[i] = static_cast<float>(xb[i]);
+    xp = widened.data();
+  }
   const T* wp = w.data_ptr<T>();
-  float* yp = y.data_ptr<float>();
+  TY* yp = y.data_ptr<TY>();
   const int64_t col_blocks = (N + kCols - 1) / kCols;
   // threads split the weight rows: each reads its share of w once, for all M rows
   at::parallel_for(0, col_blocks, 16, [&](int64_t begin, int64_t end) {
@@ -105,18 +117,24 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w) {
   return y;
 }
 
-}  // namespace
-
-torch::Tensor linear(torch::Tensor x, torch::Tensor w) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x must be contiguous float32 [M, K]");
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1), "w must be contiguous [N, K] with x's K");
-  TORCH_CHECK(x.size(1) % kW == 0, "K must be a multiple of ", kW, ", got ", x.size(1));
-  if (w.dtype() == torch::kFloat32) return run<float>(x, w);
-  if (w.dtype() == torch::kBFloat16) return run<c10::BFloat16>(x, w);
+template <typename TY>
+torch::Tensor run_weights(const torch::Tensor& x, const torch::Tensor& w) {
+  if (w.dtype() == torch::kFloat32) return run<float, TY>(x, w);
+  if (w.dtype() == torch::kBFloat16) return run<c10::BFloat16, TY>(x, w);
   TORCH_CHECK(false, "linear: float32 or bfloat16 weights only");
 }
 
+}  // namespace
+
+torch::Tensor linear(torch::Tensor x, torch::Tensor w) {
+  TORCH_CHECK((x.dtype() == torch::kFloat32 || x.dtype() == torch::kBFloat16) && x.dim() == 2 && x.is_contiguous(),
+              "x must be contiguous float32 or bfloat16 [M, K]");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1), "w must be contiguous [N, K] with x's K");
+  TORCH_CHECK(x.size(1) % kW == 0, "K must be a multiple of ", kW, ", got ", x.size(1));
+  return x.dtype() == torch::kFloat32 ? run_weights<float>(x, w) : run_weights<c10::BFloat16>(x, w);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear", &linear, "x . w^T for a few rows of x (float32 out)", py::arg("x"), py::arg("w"));
+  m.def("linear", &linear, "x . w^T for a few rows of x, in x's dtype (float32 sums)", py::arg("x"), py::arg("w"));
   m.attr("vec_width") = kW;
 }
