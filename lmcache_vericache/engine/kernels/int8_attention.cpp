@@ -295,21 +295,31 @@ void attend_madd(const float* __restrict__ q, const int8_t* __restrict__ kb, con
   }
   float mx[M], sum[M];
   softmax_numerators(s, M, T, Tp, mx, sum);
-  // p v: per block, each row's weights p * vs rounded to 0..127 against the block's largest
+  // p v: per block, each row's weights p * vs rounded to 0..127 against the block's largest, in
+  // vectors (the scalar loop with lrintf took more time than the products it feeds). Weights are
+  // >= 0; the numerators past T are 0 (softmax_numerators), their scales too (tail).
   alignas(32) float o[M][D] = {};
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t t0 = b * kBlock;
     alignas(16) uint8_t wq[M][kBlock];
     float wscale[M];
+    float vtail[kBlock] = {};
+    if (t0 + kBlock > T) std::memcpy(vtail, vs + t0, (T - t0) * sizeof(float));
+    const float* vscales = t0 + kBlock <= T ? vs + t0 : vtail;
+    const __m256 vs0 = _mm256_loadu_ps(vscales), vs1 = _mm256_loadu_ps(vscales + 8);
     for (int i = 0; i < M; ++i) {
-      float w[kBlock], top = 0.f;
-      for (int t = 0; t < kBlock; ++t) {
-        w[t] = t0 + t < T ? s[i * Tp + t0 + t] * vs[t0 + t] : 0.f;
-        top = std::max(top, w[t]);
-      }
+      const __m256 w0 = _mm256_mul_ps(_mm256_loadu_ps(s + i * Tp + t0), vs0);
+      const __m256 w1 = _mm256_mul_ps(_mm256_loadu_ps(s + i * Tp + t0 + 8), vs1);
+      __m128 top4 = _mm_max_ps(_mm256_castps256_ps128(_mm256_max_ps(w0, w1)), _mm256_extractf128_ps(_mm256_max_ps(w0, w1), 1));
+      top4 = _mm_max_ps(top4, _mm_movehl_ps(top4, top4));
+      const float top = _mm_cvtss_f32(_mm_max_ss(top4, _mm_shuffle_ps(top4, top4, 1)));
       wscale[i] = top > 0.f ? top / 127.f : 0.f;
-      const float inv = top > 0.f ? 127.f / top : 0.f;
-      for (int t = 0; t < kBlock; ++t) wq[i][t] = static_cast<uint8_t>(std::lrintf(w[t] * inv));
+      const __m256 inv = _mm256_set1_ps(top > 0.f ? 127.f / top : 0.f);
+      // round to nearest even (as lrintf), then 16 int32 -> 16 uint8 in token order
+      const __m256i q16 = _mm256_permute4x64_epi64(
+          _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(w0, inv)), _mm256_cvtps_epi32(_mm256_mul_ps(w1, inv))), 0xD8);
+      _mm_store_si128(reinterpret_cast<__m128i*>(wq[i]),
+                      _mm_packus_epi16(_mm256_castsi256_si128(q16), _mm256_extracti128_si256(q16, 1)));
     }
     const int8_t* __restrict__ blk = vb + t0 * D;
     for (int c = 0; c < D / 8; ++c) {  // dimensions 8c .. 8c + 7
