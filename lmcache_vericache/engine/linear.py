@@ -2,9 +2,9 @@
 decode step or a verify block on a CPU, PyTorch elsewhere.
 
 With 1-200 rows the weights are most of a step's bytes, and the BLAS behind ``F.linear`` ran far
-from that bound on an AVX2-only CPU: 8 fp32 rows at 2.1x the kernel's time, bf16 weights (no bf16
-arithmetic there) at 4-5x for 4 rows or more (``benchmarks/linear.py``). The kernel's rows do not
-depend on the batch: a row's output is the same whatever rows share its call.
+from that bound on an AVX2-only CPU: 8 fp32 rows at 2.7x the kernel's time, bf16 weights (no bf16
+arithmetic there) at 3-5x from 4 rows on (``benchmarks/linear.py``). On the kernel's path (up to
+``MAX_ROWS`` rows) a row's output does not depend on the rows that share its call.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from . import kernels
 Tensor = torch.Tensor
 
 # Rows up to which the kernel runs; above (prefill chunks) the BLAS's blocking wins. Measured on
-# AVX2 the kernel led up to 256 rows (fp32 1.1x there, bf16 4.8x).
+# AVX2 the kernel led up to 256 rows (fp32 1.1x there, bf16 5x).
 MAX_ROWS = 256
 
 
@@ -30,9 +30,12 @@ def _bf16_arithmetic() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def _kernel(x: Tensor, weight: Tensor):
-    if (x.device.type != "cpu" or x.dim() != 2 or x.dtype != weight.dtype or not weight.is_contiguous()
-            or weight.dtype not in (torch.float32, torch.bfloat16)
+def kernel_for(x: Tensor, weight: Tensor):
+    """The kernel's module where it takes ``x [N, in]`` (any N) and ``weight``, else ``None``:
+    CPU tensors of one dtype, fp32, or bf16 on a CPU without bf16 arithmetic; ``in`` a multiple
+    of the vector width."""
+    if (x.device.type != "cpu" or weight.device.type != "cpu" or x.dim() != 2 or x.dtype != weight.dtype
+            or not weight.is_contiguous() or weight.dtype not in (torch.float32, torch.bfloat16)
             or (weight.dtype == torch.bfloat16 and _bf16_arithmetic())):
         return None
     mod = kernels.build("linear")
@@ -41,22 +44,24 @@ def _kernel(x: Tensor, weight: Tensor):
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)`` for ``x [N, in]``, in ``x``'s dtype (float32 accumulation)."""
-    mod = _kernel(x, weight)
-    if mod is None:
-        return F.linear(x, weight, bias)
-    if x.shape[0] > MAX_ROWS:
-        if weight.dtype == torch.bfloat16:  # no bf16 arithmetic: the fp32 BLAS on widened copies, 5x faster
-            return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
-        return F.linear(x, weight, bias)
-    if bias is None:
-        return mod.linear(x.contiguous(), weight)  # x's dtype out: no conversions around the call
-    y = mod.linear(x.float().contiguous(), weight)  # the bias added to the float sums, rounded once
-    y += bias
-    return y.to(x.dtype)
+    mod = kernel_for(x, weight)
+    if mod is not None and x.shape[0] <= MAX_ROWS:
+        if bias is None:
+            return mod.linear(x.contiguous(), weight)  # x's dtype out: no conversions around the call
+        y = mod.linear(x.float().contiguous(), weight)  # the bias added to the float sums, rounded once
+        y += bias
+        return y.to(x.dtype)
+    if (x.device.type == "cpu" and x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2
+            and x.shape[0] > MAX_ROWS and not _bf16_arithmetic()):
+        # prefill rows of bf16 weights where the CPU has no bf16 arithmetic: the fp32 BLAS on widened
+        # copies (5x the bf16 BLAS there; the copy is small beside a product of this many rows)
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+    return F.linear(x, weight, bias)
 
 
 def apply(module: torch.nn.Module, x: Tensor) -> Tensor:
-    """``module(x)`` for an ``nn.Linear`` through :func:`linear`; any other module is called as it is."""
-    if type(module) is torch.nn.Linear:
+    """``module(x)`` for a plain ``nn.Linear`` (no hooks) through :func:`linear`; any other module,
+    or one with hooks (offloading, adapters), is called as it is."""
+    if type(module) is torch.nn.Linear and not (module._forward_hooks or module._forward_pre_hooks):
         return linear(x, module.weight, module.bias)
     return module(x)

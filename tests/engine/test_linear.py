@@ -52,7 +52,8 @@ def test_a_row_does_not_depend_on_the_rows_beside_it():
         full = mod.linear(x, w)
         for m in (0, 5, 21, 22):
             assert torch.equal(mod.linear(x[m:m + 1].contiguous(), w)[0], full[m])
-        assert torch.equal(mod.linear(x[3:10].contiguous(), w), full[3:10])
+        for a, b in ((3, 10), (21, 23), (0, 4)):  # blocks of 4 + 3-row tail, a 2-row tail, one block
+            assert torch.equal(mod.linear(x[a:b].contiguous(), w), full[a:b])
 
 
 @needs_compiler
@@ -96,6 +97,50 @@ def test_linear_is_f_linear_in_the_input_dtype(dtype, rows):
         want = _exact(x, w) + (0 if bias is None else bias.double())
         tol = 1e-4 if dtype == torch.float32 else 0.1  # bf16: the output's own rounding (|y| ~ 10)
         torch.testing.assert_close(y.double(), want, atol=tol, rtol=tol)
+
+
+@needs_compiler
+def test_linear_takes_the_kernel_for_decode_rows_here():
+    """The dispatch picks the kernel for a decode step's rows of fp32 weights (and of bf16 ones where
+    the CPU has no bf16 arithmetic), so the tests above cover the path the engine runs."""
+    x, w = torch.randn(8, 576), torch.randn(64, 576)
+    assert lin.kernel_for(x, w) is not None
+    assert (lin.kernel_for(x.bfloat16(), w.bfloat16()) is None) == lin._bf16_arithmetic()
+    assert torch.equal(lin.linear(x, w), kernels.build("linear").linear(x, w))
+
+
+def test_hf_models_layers_go_through_linear_and_match_hf(monkeypatch):
+    """HfModel's q/k/v/o, gated MLP and LM head take engine/linear.py's path and compute what the
+    HF modules compute (fp32 to float rounding, bf16 to bf16 rounding), a hooked module is called
+    as it is."""
+    import transformers
+
+    from lmcache_vericache.engine import HfModel
+
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        hf = transformers.LlamaForCausalLM(cfg).eval()
+    calls = []
+    real = lin.linear
+    monkeypatch.setattr(lin, "linear", lambda *a: calls.append(a[1].shape) or real(*a))
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        hf.to(dtype)
+        m, layer = HfModel(hf), hf.model.layers[0]
+        x = torch.randn(5, 64).to(dtype)
+        calls.clear()
+        with torch.no_grad():
+            torch.testing.assert_close(m.mlp(0, x), layer.mlp(x), atol=tol, rtol=tol)
+            torch.testing.assert_close(m.o_proj(0, x), layer.self_attn.o_proj(x), atol=tol, rtol=tol)
+            torch.testing.assert_close(m.lm_head(x), hf.lm_head(x), atol=tol, rtol=tol)
+            q, k, v = m.qkv(0, x)
+            torch.testing.assert_close(q.reshape(5, -1), layer.self_attn.q_proj(x), atol=tol, rtol=tol)
+        assert len(calls) == 3 + 1 + 1 + 3  # gate, up, down; o; lm_head; q, k, v
+    handle = hf.lm_head.register_forward_hook(lambda mod, args, out: out * 0)
+    with torch.no_grad():
+        assert not HfModel(hf).lm_head(torch.randn(2, 64).bfloat16()).any()  # the hook ran
+    handle.remove()
 
 
 def test_linear_takes_pytorchs_path_where_the_kernel_does_not_apply():

@@ -22,6 +22,9 @@ _DIR = Path(__file__).parent
 # Vectorized float reductions need reassociation; no -ffast-math (the kernels rely on -inf).
 _CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
            "-fno-trapping-math", "-fopenmp"]
+# Per kernel, after _CFLAGS. linear: its sums stay in the order written (each output one fixed
+# order whatever the rows beside it; its vectors are explicit, nothing needs reassociation).
+_KERNEL_CFLAGS = {"linear": ["-fno-associative-math"]}
 
 
 def _cpu_flags() -> str:
@@ -50,7 +53,7 @@ def build(name: str, vec_width: int | None = None) -> Any | None:
         # activation does not have on its PATH.
         os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), path])
         # -march=native: the build is only valid on this kind of CPU, so its flags name it.
-        cflags = _CFLAGS + ([f"-DVERICACHE_VEC_WIDTH={int(vec_width)}"] if vec_width else [])
+        cflags = _CFLAGS + _KERNEL_CFLAGS.get(name, []) + ([f"-DVERICACHE_VEC_WIDTH={int(vec_width)}"] if vec_width else [])
         parts = [source.read_bytes(), *(h.read_bytes() for h in sorted(_DIR.glob("*.h"))),
                  " ".join(cflags).encode(), _cpu_flags().encode()]
         tag = hashlib.sha256(b"\0".join(parts)).hexdigest()[:12]

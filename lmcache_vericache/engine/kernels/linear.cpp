@@ -11,12 +11,20 @@
 // while it sits in L1.
 //
 // Each output element is one dot product, its K products summed lane-wise (lane l takes k = l mod
-// kW) and the lanes then in a fixed order: row m's result depends on x[m] and w only, not on M or
-// on which block the row fell in. A decode step and a verify block therefore compute the same
+// kW) and the lanes then in a fixed order (built without -fassociative-math, kernels/__init__.py,
+// so the compiler cannot regroup the sums per block size): row m's result depends on x[m] and w
+// only, not on M or on which block the row fell in. A decode step and a verify block therefore compute the same
 // linear layers bit for bit, which lossless decoding does not need (it compares against itself)
 // but which keeps greedy ties out of a batch's shape.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#if defined(__AVX2__) && !defined(__AVX512F__) && !defined(VERICACHE_VEC_WIDTH)
+#include <immintrin.h>
+#define VERICACHE_AVX2_WIDEN 1
+#else
+#define VERICACHE_AVX2_WIDEN 0
+#endif
 
 #include "common.h"
 
@@ -33,12 +41,13 @@ using vericache::load_floats;
 using vericache::vfloat;
 
 // Accumulators R x kCols plus kCols weight vectors and one input vector fit the register file:
-// AVX2 / SSE (16 registers) 4 x 3 + 3 + 1, AVX-512 (32) 4 x 5 + 5 + 1.
+// AVX2 / SSE (16 registers) 4 x 3 + 3 + 1, AVX-512 (32) 4 x 6 + 6 + 1.
 constexpr int kRowsMax = 4;
 constexpr int kCols = (kVecRegs - 1) / (kRowsMax + 1);
 
-#if defined(__AVX2__) && !defined(VERICACHE_VEC_WIDTH)
-#include <immintrin.h>
+#if VERICACHE_AVX2_WIDEN
+// AVX2 (8-float vectors): one vpmovzxwd from memory and a shift (the portable widening compiled to
+// two half-width conversions and an insert)
 inline vfloat widen(const float* p) { return load_floats(p); }
 inline vfloat widen(const c10::BFloat16* p) {
   const __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
