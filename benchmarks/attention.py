@@ -15,10 +15,7 @@ alike. Prints a line per context and saves JSON (medians, ratio against flash, C
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -26,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import machine_info, say  # noqa: E402
+from machine import interleaved_medians_ms, machine_info, save_rows, say  # noqa: E402
 
 from lmcache_vericache.engine import kernels  # noqa: E402
 from lmcache_vericache.engine.runtime import _flash_lse  # noqa: E402
@@ -77,26 +74,13 @@ def main(argv: list[str] | None = None) -> int:
         kv = [(torch.randn(args.heads, ctx, args.head_dim, generator=g).to(dt),
                torch.randn(args.heads, ctx, args.head_dim, generator=g).to(dt)) for _ in range(args.caches)]
         paths = _paths(mod, q, dt, scale)
-        times: dict[str, list[float]] = {name: [] for name in paths}
-        for f in paths.values():  # warm up (first-call allocations)
-            f(*kv[0])
-        for i in range(args.reps):
-            k, v = kv[i % len(kv)]
-            for name, f in paths.items():
-                t = time.perf_counter()
-                f(k, v)
-                times[name].append(time.perf_counter() - t)
-        med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+        med = interleaved_medians_ms(paths, args.reps, kv)
         row = {"dtype": dtype, "context": ctx, "rows_per_head": rows_per_head, "median_ms": med,
                "speedup_vs_flash": {name: med["flash"] / ms for name, ms in med.items() if name != "flash"}}
         out["rows"].append(row)
         say(f"[{n + 1}/{len(jobs)}] {dtype} {ctx}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in med.items())
             + " | vs flash " + ", ".join(f"{k} {v:.2f}x" for k, v in row["speedup_vs_flash"].items()))
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{args.name}.json"
-    path.write_text(json.dumps(out, indent=1))
-    print(json.dumps(out["rows"], indent=1))
-    say(f"saved {path}")
+    save_rows(RESULTS, args.name, out)
     return 0
 
 

@@ -14,10 +14,7 @@ per (dtype, rows) and saves JSON (medians, ratio, GFLOP/s, CPU flags).
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-import time
 from functools import partial
 from pathlib import Path
 
@@ -25,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import machine_info, say  # noqa: E402
+from machine import interleaved_medians_ms, machine_info, save_rows, say  # noqa: E402
 
 from lmcache_vericache.engine import kernels  # noqa: E402
 
@@ -67,26 +64,14 @@ def main(argv: list[str] | None = None) -> int:
         x = {i: torch.randn(rows, i, generator=g) for i in (HIDDEN, MLP)}
         xd = {i: t.to(dt) for i, t in x.items()}
         paths = {"torch": partial(_forward, F.linear, weights, xd), "kernel": partial(_forward, mod.linear, weights, x)}
-        times: dict[str, list[float]] = {name: [] for name in paths}
-        for f in paths.values():  # warm up
-            f()
-        for _ in range(args.reps):
-            for name, f in paths.items():
-                t = time.perf_counter()
-                f()
-                times[name].append(time.perf_counter() - t)
-        med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+        med = interleaved_medians_ms(paths, args.reps)
         flops = 2 * rows * args.layers * sum(o * i for o, i in SHAPES)
         row = {"dtype": dtype, "rows": rows, "median_ms": med, "speedup_vs_torch": med["torch"] / med["kernel"],
                "gflops": {name: flops / ms / 1e6 for name, ms in med.items()}}
         out["rows"].append(row)
         say(f"[{n + 1}/{len(jobs)}] {dtype} {rows} rows: torch {med['torch']:.1f} ms, kernel {med['kernel']:.1f} ms"
             f" ({row['speedup_vs_torch']:.2f}x; {row['gflops']['kernel']:.0f} GFLOP/s)")
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{args.name}.json"
-    path.write_text(json.dumps(out, indent=1))
-    print(json.dumps(out["rows"], indent=1))
-    say(f"saved {path}")
+    save_rows(RESULTS, args.name, out)
     return 0
 
 

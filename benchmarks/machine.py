@@ -4,10 +4,13 @@ and the optional plot backend."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
+import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -55,3 +58,29 @@ def say(msg: str) -> None:
 def elapsed_s() -> float:
     """Seconds since the benchmark started."""
     return time.perf_counter() - _T0
+
+
+def interleaved_medians_ms(paths: dict, reps: int, inputs: list[tuple] | None = None) -> dict[str, float]:
+    """Median milliseconds of each ``paths[name](*inputs[rep % len(inputs)])`` (no arguments by
+    default), the paths called in turn every repeat (machine noise hits them alike), after one
+    warm-up call each."""
+    inputs = inputs or [()]
+    for f in paths.values():
+        f(*inputs[0])
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for rep in range(reps):
+        for name, f in paths.items():
+            t = time.perf_counter()
+            f(*inputs[rep % len(inputs)])
+            times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+
+
+def save_rows(results: Path, name: str, out: dict) -> Path:
+    """Write ``out`` to ``results/<name>.json``, print its rows, say where it went."""
+    results.mkdir(exist_ok=True)
+    path = results / f"{name}.json"
+    path.write_text(json.dumps(out, indent=1))
+    print(json.dumps(out["rows"], indent=1))
+    say(f"saved {path}")
+    return path

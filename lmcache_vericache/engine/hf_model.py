@@ -21,6 +21,10 @@ class HfModel(DecoderModel):
         self.hf = model
         self.body = model.model
         self.layers = list(self.body.layers)
+        # the gated MLP of every Llama-family model, down(act(gate(x)) * up(x)), computed here with
+        # engine/linear.py's layers; any other MLP is called as it is (decided once, not per step)
+        self._gated_mlp = [all(hasattr(layer.mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+                           for layer in self.layers]
         self.num_layers = len(self.layers)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -61,9 +65,8 @@ class HfModel(DecoderModel):
 
     def mlp(self, layer: int, x: Tensor) -> Tensor:
         mlp = self.layers[layer].mlp
-        if not all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+        if not self._gated_mlp[layer]:
             return mlp(x)
-        # the gated MLP of every Llama-family model: down(act(gate(x)) * up(x))
         return apply(mlp.down_proj, mlp.act_fn(apply(mlp.gate_proj, x)) * apply(mlp.up_proj, x))
 
     def final_norm(self, x: Tensor) -> Tensor:
