@@ -19,13 +19,6 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AVX2__) && !defined(__AVX512F__) && !defined(VERICACHE_VEC_WIDTH)
-#include <immintrin.h>
-#define VERICACHE_AVX2_WIDEN 1
-#else
-#define VERICACHE_AVX2_WIDEN 0
-#endif
-
 #include "common.h"
 
 #include <algorithm>
@@ -44,18 +37,6 @@ using vericache::vfloat;
 // AVX2 / SSE (16 registers) 4 x 3 + 3 + 1, AVX-512 (32) 4 x 6 + 6 + 1.
 constexpr int kRowsMax = 4;
 constexpr int kCols = (kVecRegs - 1) / (kRowsMax + 1);
-
-#if VERICACHE_AVX2_WIDEN
-// AVX2 (8-float vectors): one vpmovzxwd from memory and a shift (the portable widening compiled to
-// two half-width conversions and an insert)
-inline vfloat widen(const float* p) { return load_floats(p); }
-inline vfloat widen(const c10::BFloat16* p) {
-  const __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
-  return reinterpret_cast<vfloat>(w);
-}
-#else
-template <typename T> inline vfloat widen(const T* p) { return load_as_float(p); }
-#endif
 
 // Elements of a weight row fetched ahead of the products.
 constexpr int64_t kAhead = 512;
@@ -78,7 +59,7 @@ inline void block(const float* __restrict__ x, const T* __restrict__ w0, int64_t
     vfloat wv[kCols];
     for (int j = 0; j < kCols; ++j) {
       __builtin_prefetch(wr[j] + k + kAhead);
-      wv[j] = widen(wr[j] + k);
+      wv[j] = load_as_float(wr[j] + k);
     }
     for (int r = 0; r < R; ++r) {
       const vfloat xv = load_floats(x + r * K + k);
