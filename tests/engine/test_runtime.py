@@ -182,6 +182,28 @@ def test_the_dense_kernel_builds_and_agrees_with_flash():
 
 
 @pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler: the PyTorch path is taken")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("d", [64, 128])
+def test_the_dense_kernel_scores_a_decode_steps_few_rows(rows, d):
+    """A decode step's 1-4 rows per KV head take the dot-product scores (one vector of rows): against
+    float64 for fp32 and bf16 caches, over a length no tile divides, with the row-vector form's
+    result for the same rows inside a larger block (rows do not depend on the rows beside them)."""
+    mod = kernels.build("dense_attention")
+    g = torch.Generator().manual_seed(rows * d)
+    q = torch.randn(2, rows, d, generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        k, v = (torch.randn(2, 1537, d, generator=g).to(dtype) for _ in range(2))
+        out, lse = mod.dense_attention(q, k, v, d ** -0.5, dpbf16=False)
+        scores = q.double() @ k.double().transpose(-1, -2) * d ** -0.5
+        torch.testing.assert_close(lse.double(), scores.logsumexp(-1), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out.double(), scores.softmax(-1) @ v.double(), atol=1e-5, rtol=1e-4)
+        wide = torch.cat([q, torch.randn(2, 13, d, generator=g)], 1)  # 13 more rows: the row-vector form
+        out_wide, lse_wide = mod.dense_attention(wide, k, v, d ** -0.5, dpbf16=False)
+        torch.testing.assert_close(out, out_wide[:, :rows], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(lse, lse_wide[:, :rows], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler: the PyTorch path is taken")
 def test_the_dense_kernel_gives_the_same_result_at_every_vector_width():
     """The kernel's vector width follows the CPU (16 floats with AVX-512, 8 with AVX2); the other
     width's code is built here too (-DVERICACHE_VEC_WIDTH) and must agree with the native build, so
