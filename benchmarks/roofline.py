@@ -2,9 +2,10 @@
 
 A decode step of a batch reads the weights once and every cached K/V entry once, and per token does
 2 flops per weight and 4 per (query head, cached entry, head dimension). On a CPU it takes at least
-``max(bytes / bandwidth, flops / compute)``; both rates are measured here, with every thread (a
-1 GiB read, a 2048^3 GEMM in fp32 and in bf16, the faster of the two counting for a bf16 model:
-kernels that widen bf16 to fp32 run at the fp32 rate). A round of VeriCache is L draft steps over the
+``max(bytes / bandwidth, flops / compute)``; both rates are measured here, with every thread, each
+the best of its repeats: bandwidth from a 1 GiB read, compute the fastest of a compiled fp32 FMA loop
+(the CPU's peak), a 3072^3 fp32 GEMM and, for a bf16 model, a 512^3 bf16 GEMM (kernels that widen
+bf16 to fp32 run at the fp32 rate; CPUs with bf16 arithmetic run faster). A round of VeriCache is L draft steps over the
 draft KV and one verify of L + 1 tokens over the full KV: the verify reads what a full step reads but
 does L + 1 tokens' flops. With every draft accepted a round emits L + 1 tokens, so
 
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
@@ -44,26 +44,73 @@ MAX_L = 32
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
-def median_s(fn, reps: int) -> float:
+def best_s(fn, reps: int) -> float:
+    """The fastest of ``reps`` calls after a warm-up: a machine's limit is what it reaches at its
+    best (a shared host's noise only slows a call down)."""
     fn()
     times = []
     for _ in range(reps):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return min(times)
+
+
+# Independent FMA chains on every thread, in the CPU's own vector width: the most any kernel gets.
+_FMA_PEAK = r"""
+#include <torch/extension.h>
+#include <omp.h>
+#ifdef __AVX512F__
+typedef float vf __attribute__((vector_size(64)));
+#else
+typedef float vf __attribute__((vector_size(32)));
+#endif
+double fma_flops(int64_t iters) {
+  double total = 0;
+#pragma omp parallel reduction(+ : total)
+  {
+    vf acc[12], b, c;
+    for (int i = 0; i < 12; ++i) acc[i] = vf{} + 1e-3f * i;
+    b = vf{} + 0.9999f, c = vf{} + 1e-4f;
+    for (int64_t k = 0; k < iters; ++k)
+      for (int i = 0; i < 12; ++i) acc[i] = acc[i] * b + c;
+    float sink = 0;
+    for (int i = 0; i < 12; ++i) sink += acc[i][0];
+    total += 2.0 * 12 * sizeof(vf) / 4 * iters + (sink == 12345.f);  // keeps the loop
+  }
+  return total;
+}
+"""
+
+
+def fma_peak_gflop_s(reps: int) -> float | None:
+    """fp32 FMA throughput of every thread (a compiled loop, -march=native); ``None`` where no
+    compiler is found (the GEMM rate stands in)."""
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        mod = load_inline("vericache_fma_peak", _FMA_PEAK, functions=["fma_flops"],
+                          extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
+                          extra_ldflags=["-fopenmp"])
+    except Exception as e:  # no compiler or headers
+        say(f"no FMA peak (GEMM rate used): {e}")
+        return None
+    iters = 20_000_000
+    flops = mod.fma_flops(iters)
+    return flops / best_s(lambda: mod.fma_flops(iters), reps) / 1e9
 
 
 def measure_rates(reps: int) -> dict:
-    """Read bandwidth (GB/s) and GEMM rates (GFLOP/s, fp32 and bf16), all threads, medians."""
+    """Read bandwidth (GB/s), GEMM rates (GFLOP/s, fp32 and bf16) and the fp32 FMA peak, with every
+    thread, each the best of ``reps``."""
     x = torch.ones(256 * 2**20)  # 1 GiB: far past every cache
-    read = x.numel() * 4 / median_s(x.sum, reps) / 1e9
-    n = 2048
+    read = x.numel() * 4 / best_s(x.sum, reps) / 1e9
     rates = {}
-    for dtype in (torch.float32, torch.bfloat16):
+    # bf16 at 512: where PyTorch has no fast bf16 GEMM (AVX2) it runs at ~1 GFLOP/s, minutes at 3072
+    for dtype, n in ((torch.float32, 3072), (torch.bfloat16, 512)):
         a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-        rates[str(dtype).removeprefix("torch.")] = 2 * n**3 / median_s(lambda a=a, b=b: a @ b, reps) / 1e9
-    return dict(read_gb_s=read, gemm_gflop_s=rates)
+        rates[str(dtype).removeprefix("torch.")] = 2 * n**3 / best_s(lambda a=a, b=b: a @ b, reps) / 1e9
+    return dict(read_gb_s=read, gemm_gflop_s=rates, fma_peak_gflop_s=fma_peak_gflop_s(reps))
 
 
 def model_shape(path: Path) -> dict:
@@ -80,7 +127,7 @@ def bound(m: dict, rates: dict, dtype: str, batch: int, context: int, entries: f
     """Step times at the limits (ms) and the speed-up bound for a drafter that attends over
     ``entries`` of the cached entries and reads ``kv_bytes`` of the full KV's bytes."""
     size = DTYPE_BYTES[dtype]
-    compute = max(rates["gemm_gflop_s"]["float32"], rates["gemm_gflop_s"][dtype]) * 1e9
+    compute = max(rates.get("fma_peak_gflop_s") or 0, rates["gemm_gflop_s"]["float32"], rates["gemm_gflop_s"][dtype]) * 1e9
     bandwidth = rates["read_gb_s"] * 1e9
     weights = m["params"] * size
     kv = batch * context * m["layers"] * m["kv_heads"] * m["head_dim"] * 2 * size
@@ -124,10 +171,12 @@ def main() -> None:
         ap.error("contexts and batches must be >= 1, --int8-bytes in (0, 1], --reps >= 1")
 
     m = model_shape(ensure_smollm2())
-    say(f"measuring read bandwidth and GEMM rates ({args.reps} reps each, about half a minute)")
+    say(f"measuring read bandwidth, GEMM rates and the FMA peak ({args.reps} reps each, under a minute; "
+        "the FMA loop compiles once, about half a minute)")
     rates = measure_rates(args.reps)
     say(f"read {rates['read_gb_s']:.1f} GB/s, GEMM fp32 {rates['gemm_gflop_s']['float32']:.1f} / bf16 "
-        f"{rates['gemm_gflop_s']['bfloat16']:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
+        f"{rates['gemm_gflop_s']['bfloat16']:.1f} GFLOP/s, FMA peak {rates['fma_peak_gflop_s'] or 0:.1f} GFLOP/s "
+        f"({torch.get_num_threads()} threads)")
     rows = []
     for dtype in dtypes:
         # int8 codes against this dtype's KV: bytes relative to fp32 scaled to the dtype's size
