@@ -11,7 +11,10 @@ drifts within a cell); identity and acceptance are the last repeat's.
 Step costs, per (dtype, context, batch, method), on the same prompts' caches: a 1-token step over
 the full KV (``t_full``), over the draft KV (``t_draft``) and a verify of L+1 tokens over the full KV
 (``v``), medians of ``--step-reps``; the draft step's bytes bound is ``t_full x bytes_draft /
-bytes_full`` (a step reads the weights once plus every cached K/V entry).
+bytes_full`` (a step reads the weights once plus every cached K/V entry). Each cell also gets the
+speed-up bound with every step at the machine's measured limits (``bound_at_limits``,
+benchmarks/roofline.py: bandwidth and compute measured once per run, the cell's own draft bytes and
+entries): above it, a ratio says the full-KV step ran further from its limit than VeriCache's did.
 
 Acceptance, three ways, per compressor (batch 1, first context): greedy (the run above: inflated where
 the model loops, flagged), seeded sampling (temperature 0.8) and the teacher-forced yardstick: draft
@@ -51,13 +54,15 @@ from pathlib import Path
 import torch
 from machine import machine_info, pyplot, say
 from prefixes import DEFAULT_DIR, prefix_kvs, stored_prompts
+from roofline import bound as limit_bound
+from roofline import measure_rates, model_shape
 
 from lmcache_vericache import compressors
 from lmcache_vericache.backends import DualTierStore
 from lmcache_vericache.data import stdlib_source
 from lmcache_vericache.engine import Sampling, Segment, VeriCacheEngine
 from lmcache_vericache.engine.horizon import Horizon, fit_verify, rate
-from lmcache_vericache.models import load_model
+from lmcache_vericache.models import ensure_smollm2, load_model
 
 FILES = ["argparse.py", "typing.py", "inspect.py", "pathlib.py", "subprocess.py", "tarfile.py",
          "logging/__init__.py", "email/_header_value_parser.py", "_pydecimal.py", "turtle.py", "pydoc.py",
@@ -145,10 +150,20 @@ def step_costs(model, eng: VeriCacheEngine, reqs: list, verify_lens: tuple[int, 
     draft_kv = sum(c.read_bytes() for c in drafts)
     bound = t_full * (weights + draft_kv) / (weights + full_kv)
     n = max(verify_lens)
+    # entries a step attends over (an int8 prefix's codes are entries too): the flops side of a step
+    full_entries, draft_entries = sum(attended(c) for c in fulls), sum(attended(c) for c in drafts)
     return dict(t_full_ms=1e3 * t_full, t_draft_ms=1e3 * t_draft, t_verify_ms=1e3 * t_verify[n], verify_len=n,
                 verify_vs_full_by_len={k: v / t_full for k, v in t_verify.items()},
                 draft_bound_ms=1e3 * bound, draft_vs_bound=t_draft / bound, verify_vs_full=t_verify[n] / t_full,
-                weight_bytes=weights, full_kv_bytes=full_kv, draft_kv_bytes=draft_kv)
+                weight_bytes=weights, full_kv_bytes=full_kv, draft_kv_bytes=draft_kv,
+                draft_entries_vs_full=draft_entries / full_entries)
+
+
+def attended(cache) -> int:
+    """Entries a decode step over ``cache`` attends to, summed over layers (dense and int8-packed)."""
+    layers = range(len(cache.base))
+    packed = getattr(cache.packed, "length", None)
+    return sum(cache.length(li) + (packed(li) if packed else 0) for li in layers)
 
 
 def parse_methods(spec: str) -> list[tuple[str, dict]]:
@@ -216,6 +231,9 @@ def main() -> None:
     ap.add_argument("--int8-draft", default="auto", choices=["auto", "off"],
                     help="int8 drafters attend over the codes with the int8 kernel (auto) or a dequantized copy")
     ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--roofline-reps", type=int, default=5,
+                    help="repeats of the machine-limit measurements (benchmarks/roofline.py) behind each cell's "
+                         "bound at the limits (0: skip)")
     ap.add_argument("--accept-tokens", type=int, default=128, help="tokens for the acceptance study (0: skip it)")
     ap.add_argument("--accept-context", type=int, default=0, help="context of the acceptance study (0: the first)")
     ap.add_argument("--full", action="store_true", help="2k/4k/8k, batch 1/8, fp32/bf16, every method")
@@ -239,7 +257,13 @@ def main() -> None:
         ap.error("--reps must be >= 1")
     if args.prefix == "computed" and args.source == "resident" and args.full_kv == "offload":
         ap.error("--full-kv offload needs a store (--source memory)")
+    if args.roofline_reps < 0:
+        ap.error("--roofline-reps must be >= 0")
     stored = args.prefix == "stored"
+    rates, shape = None, None
+    if args.roofline_reps and args.step_reps:
+        say("measuring the machine's limits (benchmarks/roofline.py; under a minute)")
+        rates, shape = measure_rates(args.roofline_reps), model_shape(ensure_smollm2())
     rows, accept_rows = [], []
     todo = len(args.dtypes.split(",")) * len(contexts) * len(batches) * len(methods) * len(temps)
     t_start = time.perf_counter()
@@ -299,6 +323,10 @@ def main() -> None:
                                     args.step_reps)
                             rows[-1].update(costs)
                             rows[-1].update(speedup_bound(costs, [o.stats for o in out]))
+                            if rates:
+                                lim = limit_bound(shape, rates, dtype, batch, ctx, costs["draft_entries_vs_full"],
+                                                  costs["draft_kv_bytes"] / costs["full_kv_bytes"])
+                                rows[-1].update(bound_at_limits=lim["bound"], bound_at_limits_L=lim["bound_L"])
                         print(_fmt(rows[-1]), flush=True)
                         done_s = time.perf_counter() - t_start
                         print(f"[{len(rows)}/{todo}] {done_s / 60:.1f} min, about "
@@ -328,7 +356,7 @@ def main() -> None:
                   f"{' (loops)' if a['greedy_loops'] else ''}  sampled {a['sampled_t08']:5.1f}  teacher-forced {tf:5.1f}",
                   flush=True)
     OUT.mkdir(exist_ok=True)
-    meta = dict(**machine_info(), new_tokens=args.new_tokens, draft_len=args.draft_len, prefix=args.prefix,
+    meta = dict(**machine_info(), limits=rates, new_tokens=args.new_tokens, draft_len=args.draft_len, prefix=args.prefix,
                 source=args.source, full_kv=args.full_kv, reps=args.reps, step_reps=args.step_reps, stagger=args.stagger)
     (OUT / f"{args.name}.json").write_text(json.dumps(dict(meta=meta, throughput=rows, acceptance=accept_rows), indent=1))
     _plot(rows, OUT / f"{args.name}.png")
@@ -374,7 +402,9 @@ def _fmt(r: dict) -> str:
                    f"(bound {r['draft_bound_ms']:.0f} ms, x{r['draft_vs_bound']:.2f})  verify {r['verify_len']} tokens "
                    f"{r['t_verify_ms']:.0f} ms (x{r['verify_vs_full']:.2f} of a full step)\n"
                    f"    bound: x{r['bound_at_acceptance']:.2f} at L={r['bound_L']} with the run's acceptance "
-                   f"{r['acceptance_rate']:.3f}, x{r['bound_all_accepted']:.2f} with every draft accepted")
+                   f"{r['acceptance_rate']:.3f}, x{r['bound_all_accepted']:.2f} with every draft accepted"
+                   + (f"; x{r['bound_at_limits']:.2f} with every step at the machine's limits"
+                      if "bound_at_limits" in r else ""))
 
 
 def _label(r: dict) -> str:
