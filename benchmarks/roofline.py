@@ -30,7 +30,10 @@ Prints a table, writes benchmarks/results/<name>.json (the rates, CPU flags, eve
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -86,15 +89,22 @@ double fma_flops(int64_t iters) {
 def fma_peak_gflop_s(reps: int) -> float | None:
     """fp32 FMA throughput of every thread (a compiled loop, -march=native); ``None`` where no
     compiler is found (the GEMM rate stands in)."""
+    path = os.environ.get("PATH", "")
     try:
         from torch.utils.cpp_extension import load_inline
 
-        mod = load_inline("vericache_fma_peak", _FMA_PEAK, functions=["fma_flops"],
+        # the build runs `ninja`: the pip one sits beside this interpreter (as in engine/kernels)
+        os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), path])
+        # -march=native: a build is only valid on this kind of CPU, so its name carries the CPU's flags
+        tag = hashlib.sha256(" ".join(machine_info()["cpu_flags"]).encode() + _FMA_PEAK.encode()).hexdigest()[:12]
+        mod = load_inline(f"vericache_fma_peak_{tag}", _FMA_PEAK, functions=["fma_flops"],
                           extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
                           extra_ldflags=["-fopenmp"])
     except Exception as e:  # no compiler or headers
         say(f"no FMA peak (GEMM rate used): {e}")
         return None
+    finally:
+        os.environ["PATH"] = path
     iters = 20_000_000
     flops = mod.fma_flops(iters)
     return flops / best_s(lambda: mod.fma_flops(iters), reps) / 1e9
