@@ -14,7 +14,7 @@ the full KV (``t_full``), over the draft KV (``t_draft``) and a verify of L+1 to
 bytes_full`` (a step reads the weights once plus every cached K/V entry). Each cell also gets the
 speed-up bound with every step at the machine's measured limits (``bound_at_limits``,
 benchmarks/roofline.py: bandwidth and compute measured once per run, the cell's own draft bytes and
-entries): above it, a ratio says the full-KV step ran further from its limit than VeriCache's did.
+float entries): above it, a ratio says the full-KV step ran further from its limit than VeriCache's did.
 
 Acceptance, three ways, per compressor (batch 1, first context): greedy (the run above: inflated where
 the model loops, flagged), seeded sampling (temperature 0.8) and the teacher-forced yardstick: draft
@@ -150,8 +150,9 @@ def step_costs(model, eng: VeriCacheEngine, reqs: list, verify_lens: tuple[int, 
     draft_kv = sum(c.read_bytes() for c in drafts)
     bound = t_full * (weights + draft_kv) / (weights + full_kv)
     n = max(verify_lens)
-    # entries a step attends over (an int8 prefix's codes are entries too): the flops side of a step
-    full_entries, draft_entries = sum(attended(c) for c in fulls), sum(attended(c) for c in drafts)
+    # entries a step attends over in float: the flops side of a step (roofline.py does not count the
+    # integer products over an int8 prefix's codes, nor a KVFetch prefix's: that leans toward VeriCache)
+    full_entries, draft_entries = sum(float_entries(c) for c in fulls), sum(float_entries(c) for c in drafts)
     return dict(t_full_ms=1e3 * t_full, t_draft_ms=1e3 * t_draft, t_verify_ms=1e3 * t_verify[n], verify_len=n,
                 verify_vs_full_by_len={k: v / t_full for k, v in t_verify.items()},
                 draft_bound_ms=1e3 * bound, draft_vs_bound=t_draft / bound, verify_vs_full=t_verify[n] / t_full,
@@ -159,11 +160,9 @@ def step_costs(model, eng: VeriCacheEngine, reqs: list, verify_lens: tuple[int, 
                 draft_entries_vs_full=draft_entries / full_entries)
 
 
-def attended(cache) -> int:
-    """Entries a decode step over ``cache`` attends to, summed over layers (dense and int8-packed)."""
-    layers = range(len(cache.base))
-    packed = getattr(cache.packed, "length", None)
-    return sum(cache.length(li) + (packed(li) if packed else 0) for li in layers)
+def float_entries(cache) -> int:
+    """Dense (float) entries a decode step over ``cache`` attends to, summed over layers."""
+    return sum(cache.length(li) for li in range(len(cache.base)))
 
 
 def parse_methods(spec: str) -> list[tuple[str, dict]]:

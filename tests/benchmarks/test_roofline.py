@@ -1,8 +1,10 @@
 """benchmarks/roofline.py's bound on two machines whose answer is known by hand: one with unlimited
-compute (every step costs its bytes) and one with unlimited bandwidth (every step costs its flops)."""
+compute (every step costs its bytes) and one with unlimited bandwidth (every step costs its flops),
+and its parameter count for SmolLM2's config."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -31,10 +33,29 @@ def test_with_unlimited_compute_the_bound_is_the_bytes_ratio_at_the_longest_draf
     assert r["bound"] == pytest.approx((roofline.MAX_L + 1) / (roofline.MAX_L * share + 1))
 
 
-def test_with_unlimited_bandwidth_drafting_cannot_pay():
-    """Every step costs its flops: a verify of L + 1 tokens costs L + 1 full steps on top of the
-    drafts, so no drafter, not even one that reads no KV, beats full-KV decoding."""
+def test_with_unlimited_bandwidth_every_step_costs_its_flops():
+    """Every step costs its flops (2 per weight, 4 per query head x entry x head dimension, per
+    token): a verify of L + 1 tokens costs L + 1 full steps on top of the drafts, so no drafter,
+    not even one that reads no KV, beats full-KV decoding, and the budget cap is compute over a
+    verified token's flops plus half a drafted one's."""
+    batch, ctx, gflop_s = 8, 4096, 1.0
+    linear, attention = 2 * 1000, 4 * ctx * 4 * 8 * 2
     for entries in (1.0, 0.25, 0.0):
-        r = roofline.bound(MODEL, rates(1e12, 1.0), "bfloat16", 8, 4096, entries=entries, kv_bytes=entries)
-        assert r["full_bound_by"] == "flops" and r["bound"] < 1.0
-        assert r["budget_throughput_bound"] < 1.0  # more requests at once do not help either
+        r = roofline.bound(MODEL, rates(1e12, gflop_s), "bfloat16", batch, ctx, entries=entries, kv_bytes=entries)
+        full, draft = batch * (linear + attention), batch * (linear + attention * entries)
+        assert r["full_bound_by"] == "flops"
+        assert r["t_full_ms"] == pytest.approx(1e3 * full / 1e9)
+        assert r["t_draft_ms"] == pytest.approx(1e3 * draft / 1e9)
+        assert r["bound"] == pytest.approx(2 * full / (draft + 2 * full)) and r["bound_L"] == 1  # L = 1 is best
+        ceiling = 1e9 / (linear + attention + (linear + attention * entries) / 2)
+        assert r["vericache_ceiling_tok_s"] == pytest.approx(ceiling)
+        assert r["budget_throughput_bound"] == pytest.approx(ceiling * full / 1e9 / batch) and r["bound"] < 1.0
+
+
+def test_model_shape_counts_the_weights_a_step_reads(tmp_path):
+    """SmolLM2-135M's config: 134,479,872 parameters (the LM head tied to the embeddings, read once),
+    as the engine's own count of the model's parameters gives (benchmarks/decode.py's weight bytes)."""
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+        intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True)))
+    assert roofline.model_shape(tmp_path) == dict(params=134_479_872, layers=30, heads=9, kv_heads=3, head_dim=64)
