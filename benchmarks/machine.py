@@ -60,8 +60,8 @@ def elapsed_s() -> float:
     return time.perf_counter() - _T0
 
 
-def interleaved_medians_ms(paths: dict, reps: int, inputs: list[tuple] | None = None) -> dict[str, float]:
-    """Median milliseconds of each ``paths[name](*inputs[rep % len(inputs)])`` (no arguments by
+def interleaved_times_s(paths: dict, reps: int, inputs: list[tuple] | None = None) -> dict[str, list[float]]:
+    """Seconds of each of ``reps`` calls ``paths[name](*inputs[rep % len(inputs)])`` (no arguments by
     default), the paths called in turn every repeat (machine noise hits them alike), after one
     warm-up call each."""
     inputs = inputs or [()]
@@ -73,7 +73,12 @@ def interleaved_medians_ms(paths: dict, reps: int, inputs: list[tuple] | None = 
             t = time.perf_counter()
             f(*inputs[rep % len(inputs)])
             times[name].append(time.perf_counter() - t)
-    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+    return times
+
+
+def interleaved_medians_ms(paths: dict, reps: int, inputs: list[tuple] | None = None) -> dict[str, float]:
+    """Median milliseconds of each path's calls (:func:`interleaved_times_s`)."""
+    return {name: statistics.median(ts) * 1e3 for name, ts in interleaved_times_s(paths, reps, inputs).items()}
 
 
 def save_rows(results: Path, name: str, out: dict) -> Path:

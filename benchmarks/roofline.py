@@ -39,11 +39,10 @@ import hashlib
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
-from machine import machine_info, save_rows, say
+from machine import interleaved_times_s, machine_info, save_rows, say
 
 from lmcache_vericache.models import ensure_smollm2
 
@@ -55,13 +54,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 def best_s(fn, reps: int) -> float:
     """The fastest of ``reps`` calls after a warm-up: a machine's limit is what it reaches at its
     best (a shared host's noise only slows a call down)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+    return min(interleaved_times_s({"fn": fn}, reps)["fn"])
 
 
 # Independent FMA chains on every thread, in the CPU's own vector width: the most any kernel gets.
