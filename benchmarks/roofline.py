@@ -35,15 +35,13 @@ Prints a table, writes benchmarks/results/<name>.json (the rates, CPU flags, eve
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import os
-import sys
 from pathlib import Path
 
 import torch
 from machine import interleaved_times_s, machine_info, save_rows, say
 
+from lmcache_vericache.engine import kernels
 from lmcache_vericache.models import ensure_smollm2
 
 OUT = Path(__file__).parent / "results"
@@ -57,55 +55,15 @@ def best_s(fn, reps: int) -> float:
     return min(interleaved_times_s({"fn": fn}, reps)["fn"])
 
 
-# Independent FMA chains on every thread, in the CPU's own vector width: the most any kernel gets.
-_FMA_PEAK = r"""
-#include <torch/extension.h>
-#include <omp.h>
-#ifdef __AVX512F__
-typedef float vf __attribute__((vector_size(64)));
-#else
-typedef float vf __attribute__((vector_size(32)));
-#endif
-double fma_flops(int64_t iters) {
-  double total = 0;
-#pragma omp parallel reduction(+ : total)
-  {
-    vf acc[12], b, c;
-    for (int i = 0; i < 12; ++i) acc[i] = vf{} + 1e-3f * i;
-    b = vf{} + 0.9999f, c = vf{} + 1e-4f;
-    for (int64_t k = 0; k < iters; ++k)
-      for (int i = 0; i < 12; ++i) acc[i] = acc[i] * b + c;
-    float sink = 0;
-    for (int i = 0; i < 12; ++i) sink += acc[i][0];
-    total += 2.0 * 12 * sizeof(vf) / 4 * iters + (sink == 12345.f);  // keeps the loop
-  }
-  return total;
-}
-"""
-
-
 def fma_peak_gflop_s(reps: int) -> float | None:
-    """fp32 FMA throughput of every thread (a compiled loop, -march=native); ``None`` where no
-    compiler is found (the GEMM rate stands in)."""
-    path = os.environ.get("PATH", "")
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        # the build runs `ninja`: the pip one sits beside this interpreter (as in engine/kernels)
-        os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), path])
-        # -march=native: a build is only valid on this kind of CPU, so its name carries the CPU's flags
-        tag = hashlib.sha256(" ".join(machine_info()["cpu_flags"]).encode() + _FMA_PEAK.encode()).hexdigest()[:12]
-        mod = load_inline(f"vericache_fma_peak_{tag}", _FMA_PEAK, functions=["fma_flops"],
-                          extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
-                          extra_ldflags=["-fopenmp"])
-    except Exception as e:  # no compiler or headers
-        say(f"no FMA peak (GEMM rate used): {e}")
+    """fp32 FMA throughput of every thread (``fma_peak.cpp``, built as the package's kernels are);
+    ``None`` where it cannot be built (the GEMM rates stand in)."""
+    mod = kernels.build("fma_peak", source=Path(__file__).parent / "fma_peak.cpp")
+    if mod is None:
+        say("no FMA peak (no compiler?): the GEMM rates stand in")
         return None
-    finally:
-        os.environ["PATH"] = path
     iters = 20_000_000
-    flops = mod.fma_flops(iters)
-    return flops / best_s(lambda: mod.fma_flops(iters), reps) / 1e9
+    return mod.fma_flops(iters) / best_s(lambda: mod.fma_flops(iters), reps) / 1e9
 
 
 def measure_rates(reps: int) -> dict:

@@ -36,8 +36,9 @@ def _cpu_flags() -> str:
 
 
 @functools.cache
-def build(name: str, vec_width: int | None = None) -> Any | None:
-    """The compiled module of ``kernels/<name>.cpp``, or ``None`` where it cannot be built.
+def build(name: str, vec_width: int | None = None, source: Path | None = None) -> Any | None:
+    """The compiled module of ``kernels/<name>.cpp`` (or of ``source``, another C++ file built the
+    same way, e.g. a benchmark's probe), or ``None`` where it cannot be built.
 
     ``vec_width`` (4, 8 or 16 floats) overrides the vector width the kernels take from the CPU
     (``common.h``): tests build the other widths' code on one machine (slower there, same results)."""
@@ -45,7 +46,7 @@ def build(name: str, vec_width: int | None = None) -> Any | None:
         logger.info("VERICACHE_NO_KERNELS is set: %s kernel off", name)
         return None
     path = os.environ.get("PATH", "")
-    source = _DIR / f"{name}.cpp"
+    source = Path(source) if source is not None else _DIR / f"{name}.cpp"
     try:
         from torch.utils.cpp_extension import load
 
