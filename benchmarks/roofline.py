@@ -99,23 +99,24 @@ def bound(m: dict, rates: dict, dtype: str, batch: int, context: int, entries: f
     kv = batch * context * m["layers"] * m["kv_heads"] * m["head_dim"] * 2 * size
     linear = 2 * m["params"]
     attention = 4 * context * m["heads"] * m["head_dim"] * m["layers"]
+    token = linear + attention  # one token's flops over the full KV
 
     def t(nbytes: float, flops: float) -> float:
         return max(nbytes / bandwidth, flops / compute)
 
-    full = t(weights + kv, batch * (linear + attention))
+    full = t(weights + kv, batch * token)
     draft = t(weights + kv * kv_bytes, batch * (linear + attention * entries))
 
-    def verify(n: int) -> float:
-        return t(weights + kv, batch * n * (linear + attention))
+    def speedup(L: int) -> float:  # a round of L drafts and a verify of L + 1 tokens, all accepted
+        return (L + 1) * full / (L * draft + t(weights + kv, batch * (L + 1) * token))
 
-    best_l = max(range(1, MAX_L + 1), key=lambda L: (L + 1) * full / (L * draft + verify(L + 1)))
+    best_l = max(range(1, MAX_L + 1), key=speedup)
     # Under a KV budget VeriCache runs more requests at once, but every emitted token still costs a
     # verified token's flops plus L / (L + 1) of a drafted one's, half at L = 1: at most this at any batch.
-    ceiling = compute / (linear + attention + (linear + attention * entries) / 2)
-    return dict(t_full_ms=1e3 * full, t_draft_ms=1e3 * draft, t_verify_per_token_ms=1e3 * batch * (linear + attention) / compute,
-                full_bound_by="bytes" if (weights + kv) / bandwidth >= batch * (linear + attention) / compute else "flops",
-                bound=(best_l + 1) * full / (best_l * draft + verify(best_l + 1)), bound_L=best_l,
+    ceiling = compute / (token + (linear + attention * entries) / 2)
+    return dict(t_full_ms=1e3 * full, t_draft_ms=1e3 * draft, t_verify_per_token_ms=1e3 * batch * token / compute,
+                full_bound_by="bytes" if (weights + kv) / bandwidth >= batch * token / compute else "flops",
+                bound=speedup(best_l), bound_L=best_l,
                 full_tok_s=batch / full, vericache_ceiling_tok_s=ceiling, budget_throughput_bound=ceiling * full / batch)
 
 
