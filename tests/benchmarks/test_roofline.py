@@ -5,6 +5,7 @@ and its parameter count for SmolLM2's config."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -12,6 +13,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
 import roofline  # noqa: E402
+from machine import machine_info  # noqa: E402
+
+from lmcache_vericache.engine import kernels  # noqa: E402
 
 # A model small enough to check by hand: 1,000 parameters, 2 layers, 4 query heads on 2 KV heads of 8.
 MODEL = dict(params=1000, layers=2, heads=4, kv_heads=2, head_dim=8)
@@ -59,3 +63,16 @@ def test_model_shape_counts_the_weights_a_step_reads(tmp_path):
         hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
         intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True)))
     assert roofline.model_shape(tmp_path) == dict(params=134_479_872, layers=30, heads=9, kv_heads=3, head_dim=64)
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler: the GEMM rates stand in")
+def test_the_fma_probe_counts_every_threads_flops():
+    """The FMA probe builds here and counts 2 flops per lane of 12 FMAs per round on every thread
+    (16 lanes with AVX-512, else 8); the peak it reports is a real, positive rate."""
+    import torch
+
+    mod = kernels.build("fma_peak", source=Path(roofline.__file__).parent / "fma_peak.cpp")
+    assert mod is not None
+    lanes = 16 if "avx512f" in machine_info()["cpu_flags"] else 8
+    assert mod.fma_flops(1000) == 2 * 12 * lanes * 1000 * torch.get_num_threads()
+    assert roofline.fma_peak_gflop_s(reps=1) > 0
