@@ -87,7 +87,7 @@ def main() -> None:
         say(f"putting {len(ps)} prompts' chunks into a memory store ({args.compressor})")
         store = stored_prompts(model, args.compressor, params, ps, kvs)
     eng = VeriCacheEngine(model, args.compressor, params, draft_len=draft_len)
-    full_bytes = (len(ps[0]) + args.new_tokens + eng.max_draft_len + 2) * eng.rt.kv_bytes_per_token()  # as the engine sizes it
+    full_bytes = (len(ps[0]) + args.new_tokens + eng.config.max_draft_len + 2) * eng.rt.kv_bytes_per_token()  # as the engine sizes it
     budget = args.full_requests * full_bytes
     VeriCacheEngine(model, "int8", store="resident").reference(ps[:1], 4)  # warm-up
 

@@ -97,7 +97,7 @@ def loops(tokens: list[int], period_max: int = 64) -> bool:
 
 def teacher_forced(eng: VeriCacheEngine, prompt: list[int], cont: list[int], horizon: int) -> float:
     """Tokens per round implied by draft/target agreement along the real continuation."""
-    [r] = eng._start([prompt], len(cont) + 2, Sampling(), 0, draft=True)  # caches now hold the prompt
+    [r] = eng.setup_requests([prompt], len(cont) + 2, Sampling(), 0, draft=True)  # caches now hold the prompt
     feed, pos = torch.tensor(cont), torch.arange(len(prompt), len(prompt) + len(cont))
     tgt, _ = eng.rt.forward(feed, pos, [Segment(r.full, len(feed))])
     dr, _ = eng.rt.forward(feed, pos, [Segment(r.draft, len(feed))])
@@ -115,15 +115,15 @@ def prefilled(model, method: tuple[str, dict], ps: list[list[int]], store: DualT
     """Requests with resident full caches of the prompts: read from ``store`` (no observation-window
     queries then), or prefilled (with them)."""
     if store is not None:
-        return VeriCacheEngine(model, store=store)._start(ps, 18, Sampling(), 0, draft=False, stored_prefix=True)
-    return VeriCacheEngine(model, *method, store="resident")._start(ps, 18, Sampling(), 0, draft=True)
+        return VeriCacheEngine(model, store=store).setup_requests(ps, 18, Sampling(), 0, draft=False, stored_prefix=True)
+    return VeriCacheEngine(model, *method, store="resident").setup_requests(ps, 18, Sampling(), 0, draft=True)
 
 
 def step_costs(model, eng: VeriCacheEngine, reqs: list, verify_lens: tuple[int, ...], reps: int) -> dict:
     """Median seconds of one batched forward over every request's full / draft cache (1 token each)
     and of verify blocks of ``verify_lens`` tokens over the full caches; the bytes each step reads.
     ``reqs``: prefilled requests (shared by the methods: each gets its own draft caches here)."""
-    rt, p = eng.rt, eng._prefiller
+    rt, p = eng.rt, eng.prefiller
     drafts = []
     for r in reqs:  # this method's draft cache from the request's full cache, as a prefill makes it
         r.draft, r.prefix = None, 0

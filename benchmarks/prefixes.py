@@ -43,7 +43,7 @@ def prefix_kvs(model: torch.nn.Module, dtype: str, prompts: dict[str, list[int]]
         left = f", about {(time.perf_counter() - t0) / j * (len(todo) - j) / 60:.1f} min left" if j else ""
         say(f"{dtype}: exact KV of {name} ({len(prompts[name])} tokens, {j + 1}/{len(todo)}; once, kept in "
             f"{cache_dir}){left}")
-        [r] = eng._start([prompts[name]], 1, Sampling(), 0, draft=False)
+        [r] = eng.setup_requests([prompts[name]], 1, Sampling(), 0, draft=False)
         tmp = paths[name].with_suffix(f".tmp{os.getpid()}")
         torch.save(r.full.to_2ltd(0, len(prompts[name])).cpu().contiguous(), tmp)
         tmp.replace(paths[name])  # atomic: an interrupted run leaves no half file under the real name

@@ -51,7 +51,7 @@ STORE_PUT_SECONDS = Histogram("vericache_store_put_seconds", "Latency of one put
 STORE_PREFETCH = Gauge("vericache_store_prefetch_reads", "Prefetch reads of full chunks now queued or "
                        "reading (state).", ("tier", "state"), registry=registry)
 
-# -- engine (engine/scheduler.py), once per round -------------------------------------------------
+# -- engine (engine/rounds.py), once per round --------------------------------------------------
 ENGINE_REQUESTS = _counter("vericache_engine_requests_total", "Requests decoded with draft/verify.")
 ENGINE_ROUNDS = _counter("vericache_engine_rounds_total", "Draft/verify rounds committed.")
 ENGINE_ACCEPTED = Histogram("vericache_engine_accepted_tokens", "Drafts accepted per round.",

@@ -7,7 +7,8 @@ here imports it, nor vLLM.
 from .config import StoreConfig
 from .fullchunk import CorruptChunkError, decode_full, encode_full
 from .keys import KeySpace, folder_fingerprint, model_fingerprint, prefix_hashes
-from .store import DualTierStore, PrefetchHandle, StoreStats
+from .prefetch import PrefetchHandle
+from .store import DualTierStore, StoreStats
 from .tiers import CapacityTier, DiskTier, MemoryTier, TierError
 
 __all__ = [

@@ -48,8 +48,8 @@ def decode_full(buf: Buffer) -> torch.Tensor:
     reused by the caller, and a read-only one (``bytes``, e.g. the memory tier's value, which every
     reader of that key shares) must not be written through the tensor. Every reader in this package
     only copies a full chunk out (into a cache, a paged block, a LocalCPU object). Not copying
-    matters on the swap path: a fresh 6 MB buffer per chunk cost a page fault per 4 KB (a batch of
-    8 prefixes at 8k, 1.5 GB: 0.7 GB of faults, 2.9 s instead of 0.4 s, on this project's VM)."""
+    matters on the swap path: a fresh buffer per chunk costs a page fault per page, which can cost
+    more than the copies themselves (docs/benchmarks.md)."""
     mv = memoryview(buf).cast("B")
     size = mv.nbytes
     if size < _PREFIX.size + DIGEST_SIZE:

@@ -1,40 +1,35 @@
 """The dual-tier store: compressed chunks at once for drafting, full chunks prefetched for
-verification (docs/architecture.md#the-dual-tier-store). Knows nothing of LMCache's engine classes; the adapters map it."""
+verification (docs/architecture.md#the-dual-tier-store). Knows nothing of LMCache's engine classes; the adapters map it.
+Its prefetch handle is in :mod:`.prefetch`, the authentication of stored values in :mod:`.mac`."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import logging
 import threading
-import time
 import weakref
-from collections.abc import Callable
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
-from typing import Any
+from concurrent.futures import Future, ThreadPoolExecutor
 
-import blake3
 import torch
 
 from .. import compressors
 from .. import metrics as M
 from ..compressors import CodecError, CompressedKV, KVCompressor, from_bytes, to_bytes
-from .fullchunk import CorruptChunkError, decode_full, encode_full
+from . import mac
+from .fullchunk import Buffer, CorruptChunkError, decode_full, encode_full
+from .prefetch import MISSED, PrefetchHandle
 from .tiers.base import CapacityTier, TierError
 from .tiers.memory import LRU
 
 logger = logging.getLogger(__name__)
 
 Tensor = torch.Tensor
-Buffer = bytes | bytearray | memoryview
 
 # Derived keys in the capacity tier. The compressed value is written last: its presence means
-# the full value was stored before it (``contains`` relies on this). Stores with a MAC key use
-# their own names, so a store without the key never reads (nor deletes) authenticated values.
+# the full value was stored before it (``contains`` relies on this). With a MAC key a store uses
+# ``mac.MAC_SUFFIXES`` instead.
 FULL_SUFFIX, COMPRESSED_SUFFIX = "/full", "/ckv"
-MAC_SUFFIXES = ("/full.mac", "/ckv.mac")
-TAG_SIZE = 32
 
 
 class InvalidChunkError(ValueError):
@@ -55,118 +50,12 @@ class StoreStats:
     full_hits: int = 0
     full_misses: int = 0  # includes corrupt ones
     corrupt: int = 0  # full or compressed values that failed verification (then deleted)
-    unauthenticated: int = 0  # values whose MAC did not verify (written without the key; deleted)
+    unauthenticated: int = 0  # values whose MAC did not verify (written without the key; kept)
     invalid: int = 0  # compressed values that parsed but do not match the store or fail validation
     cancelled: int = 0
     bytes_written: int = 0
     bytes_read: int = 0  # from the capacity tier
     tier_errors: int = 0  # capacity-tier reads / checks that failed for I/O (misses, not absences)
-
-
-class PrefetchHandle:
-    """Background reads of the full chunks of ``keys``, in order. Thread-safe.
-
-    Reads run at most ``window`` chunks ahead of the lowest chunk not yet handed out, so a handle
-    over many keys holds a bounded number of chunks (backpressure: a consumer that stops waiting
-    stops the reads). Each chunk is handed out once: after ``wait(i)`` returns it the handle keeps
-    no reference (waiting for it again raises ``RuntimeError``).
-
-    ``wait`` blocks the calling thread; from a coroutine use ``await wait_async(...)``, which
-    never blocks the event loop. A result of ``None`` is a miss: not stored, unreadable, failed
-    verification (counted in the store's stats and logged), cancelled, or the store closed.
-    """
-
-    def __init__(self, keys: list[str], submit: Callable[[str], Future], window: int, count: Any) -> None:
-        self.keys = keys
-        self._submit, self._window, self._count = submit, window, count
-        self._futures: list[Future | None] = [None] * len(keys)
-        self._taken = [False] * len(keys)
-        self._lock = threading.Lock()
-        self._cancelled = False
-        self._advance()
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    def _advance(self, upto: int = 0) -> None:
-        """Submit reads up to ``window`` past the first chunk not handed out (and at least to ``upto``)."""
-        with self._lock:
-            if self._cancelled:
-                return
-            first = next((j for j, t in enumerate(self._taken) if not t), len(self.keys))
-            for j in range(min(len(self.keys), max(first + self._window, upto + 1))):
-                if self._futures[j] is None:
-                    self._futures[j] = self._submit(self.keys[j])
-
-    def _future(self, i: int) -> Future:
-        if self._taken[i]:
-            raise RuntimeError(f"chunk {i} was already handed out")
-        self._advance(i)
-        with self._lock:
-            fut = self._futures[i]
-        return fut if fut is not None else _MISSED  # None only once cancelled
-
-    def _take(self, i: int, value: Tensor | None) -> Tensor | None:
-        with self._lock:
-            self._taken[i], self._futures[i] = True, _MISSED
-        self._advance()
-        return value
-
-    def ready(self, i: int) -> bool:
-        fut = self._futures[i]
-        return self._taken[i] or (fut is not None and fut.done()) or self._cancelled
-
-    @property
-    def done(self) -> bool:
-        return all(self.ready(i) for i in range(len(self)))
-
-    def wait(self, i: int | None = None, timeout: float | None = None) -> Any:
-        """Chunk ``i`` (``Tensor | None``), or with ``i=None`` the list of all chunks.
-        Raises ``TimeoutError`` if not ready within ``timeout`` seconds."""
-        if i is not None:
-            return self._take(i, _result(self._future(i), timeout))
-        deadline = None if timeout is None else time.monotonic() + timeout
-        out = []
-        for j in range(len(self)):
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                out.append(self._take(j, _result(self._future(j), left)))
-            except TimeoutError:
-                raise TimeoutError(f"{len(self) - j} of {len(self)} chunks not ready after {timeout} s") from None
-        return out
-
-    async def wait_async(self, i: int | None = None) -> Any:
-        if i is not None:
-            return self._take(i, await _wrap(self._future(i)))
-        return [await self.wait_async(j) for j in range(len(self))]
-
-    def cancel(self) -> None:
-        """Drop reads not yet started; reads in flight finish but their chunks still arrive."""
-        with self._lock:
-            self._cancelled = True
-            pending = [f for f in self._futures if f is not None and f is not _MISSED]
-            unsubmitted = sum(f is None for f in self._futures)
-        self._count(cancelled=sum(f.cancel() for f in pending) + unsubmitted)
-
-
-_MISSED: Future = Future()
-_MISSED.set_result(None)
-
-
-def _result(fut: Future, timeout: float | None) -> Tensor | None:
-    try:
-        return fut.result(timeout)
-    except CancelledError:
-        return None
-
-
-async def _wrap(fut: Future) -> Tensor | None:
-    try:
-        return await asyncio.wrap_future(fut)
-    except asyncio.CancelledError:
-        if fut.cancelled():  # the read was cancelled, not the awaiting task
-            return None
-        raise
 
 
 class DualTierStore:
@@ -184,11 +73,12 @@ class DualTierStore:
       ``key + "/ckv"``; the compressed value is written second and is the commit marker that
       ``contains`` checks, so another process sharing the tier sees a chunk once both are stored.
     * A miss is ``None``: never stored, evicted, unreadable, or failed verification. Corrupt,
-      unauthenticated and invalid values are counted (``stats``), logged, never returned, and
-      deleted from the capacity tier so that the next ``put`` of the key rewrites them. Write
-      failures raise :class:`TierError` after logging; what was stored before stays readable.
+      unauthenticated and invalid values are counted (``stats``), logged and never returned; the
+      next ``put`` of the key rewrites them (corrupt and invalid ones are deleted from the capacity
+      tier at once, see ``_reject``). Write failures raise :class:`TierError` after logging; what
+      was stored before stays readable.
     * Integrity: every value carries a BLAKE3 digest (accidents). With ``mac_key`` every value also
-      carries a keyed BLAKE3 tag over the tier key and the value (tampering): a value written
+      carries a keyed BLAKE3 tag over the tier key and the value (tampering, :mod:`.mac`): a value written
       without the key, or moved to another key, is rejected. Compressed values read from the tier
       must match the store's compressor, parameters and head count and pass
       ``compressors.validate``; full values must be ``[2, L, T, heads*D]``.
@@ -219,11 +109,8 @@ class DualTierStore:
         self._closed = False
         self._futures: weakref.WeakSet[Future] = weakref.WeakSet()
         self._rejected: LRU[bool] = LRU(1 << 16)  # keys whose values failed the MAC (bounded)
-        if mac_key is not None and len(mac_key) < 16:
-            raise ValueError("mac_key must be at least 16 bytes")
-        self._mac_key = None if mac_key is None else blake3.blake3(
-            mac_key, derive_key_context="lmcache_vericache store MAC v1").digest()
-        self._full_sfx, self._ckv_sfx = MAC_SUFFIXES if mac_key is not None else (FULL_SUFFIX, COMPRESSED_SUFFIX)
+        self._mac_key = None if mac_key is None else mac.derive_key(mac_key)
+        self._full_sfx, self._ckv_sfx = mac.MAC_SUFFIXES if mac_key is not None else (FULL_SUFFIX, COMPRESSED_SUFFIX)
         self._bind_metrics(getattr(capacity, "name", type(capacity).__name__))
 
     def _bind_metrics(self, tier: str) -> None:
@@ -286,7 +173,7 @@ class DualTierStore:
 
     def _put_or_raise(self, items: list[tuple[str, bytes]], key: str) -> None:
         if self._mac_key is not None:
-            items = [(k, blob + self._tag(k, blob)) for k, blob in items]
+            items = [(k, mac.seal(self._mac_key, k, blob)) for k, blob in items]
         try:
             self.capacity.put_many(items)
         except TierError as e:
@@ -295,21 +182,14 @@ class DualTierStore:
             raise
 
     # -- integrity --------------------------------------------------------------------------------
-    def _tag(self, tier_key: str, blob: Buffer) -> bytes:
-        h = blake3.blake3(key=self._mac_key)  # type: ignore[arg-type]
-        h.update(tier_key.encode() + b"\0")
-        h.update(blob)
-        return h.digest(TAG_SIZE)
-
     def _read(self, tier_key: str) -> Buffer | None:
         """The value at ``tier_key`` with its MAC checked and stripped; ``None`` for a miss.
         Raises :class:`InvalidChunkError` for a value whose tag does not verify."""
         blob = self.capacity.get(tier_key)
         if blob is None or self._mac_key is None:
             return blob
-        mv = memoryview(blob).cast("B")
-        body = mv[: max(0, mv.nbytes - TAG_SIZE)]
-        if mv.nbytes < TAG_SIZE or self._tag(tier_key, body) != bytes(mv[mv.nbytes - TAG_SIZE:]):
+        body = mac.unseal(self._mac_key, tier_key, blob)
+        if body is None:
             raise UnauthenticatedChunkError("MAC does not verify (written without this store's key, or tampered with)")
         return body
 
@@ -414,7 +294,7 @@ class DualTierStore:
             fut = self._pool.submit(self._prefetch_read, key)
         except RuntimeError:  # the pool is shut down: the store closed
             self._prom_queued.dec()
-            return _MISSED
+            return MISSED
         fut.add_done_callback(self._dequeue_cancelled)
         self._futures.add(fut)
         return fut

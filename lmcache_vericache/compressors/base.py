@@ -13,6 +13,7 @@ A compressor is one mechanism with two optional stages:
 Eviction methods have no quantizer (kept tokens are stored in the model dtype), quantization
 methods have no evictor (every token is kept), and composition has both. All methods therefore
 share one compress/decompress path (:class:`KVCompressor`), one byte format and one test matrix.
+Each stage is a dataclass that checks its hyper-parameters when built (:mod:`.params`).
 
 RoPE is already applied to cached keys, so a kept key needs no re-rotation; new tokens continue at
 their true logical position (as in kvpress). The positions are kept so attention masks and
@@ -21,7 +22,6 @@ diagnostics can use them.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import re
 import threading
@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+
+from .params import _Validated
 
 Tensor = torch.Tensor
 
@@ -161,19 +163,6 @@ class _Cache:
 
 _LAYOUTS = _Cache(1024)
 Layout = dict[str, tuple[torch.dtype, tuple[int, ...]]]
-
-
-class _Validated:
-    """Dataclass mix-in: ``validate()`` runs after ``__init__`` and raises ``ValueError``."""
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:  # pragma: no cover - default accepts everything
-        pass
-
-    def params(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)  # type: ignore[call-overload]
 
 
 class TokenEvictor(_Validated, ABC):
@@ -461,14 +450,3 @@ def topk_keep(scores: Tensor, k: int, forced: Tensor | None = None) -> Tensor:
         s = s.masked_fill(forced, float("inf"))
     idx = s.topk(min(k, s.shape[-1]), dim=-1).indices
     return idx.sort(dim=-1).values
-
-
-def check_ratio(name: str, value: float) -> None:
-    if not (0.0 < value <= 1.0):
-        raise ValueError(f"{name} must be in (0, 1], got {value!r}")
-
-
-def check_choice(name: str, value: Any, choices: tuple) -> None:
-    # Compare types too: bits=2.0 equals 2 but would fail later, deep inside encode.
-    if not any(value == c and type(value) is type(c) for c in choices):
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")

@@ -16,7 +16,8 @@ from functools import cache
 import torch
 
 from . import register
-from .base import KVCompressor, KVQuantizer, check_choice
+from .base import KVCompressor, KVQuantizer
+from .params import check_choice
 
 _FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 

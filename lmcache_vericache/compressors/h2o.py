@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from . import register
-from .base import CompressionContext, KVCompressor, TokenEvictor, budget, check_choice, check_ratio, topk_keep
+from .base import CompressionContext, KVCompressor, TokenEvictor, budget, topk_keep
+from .params import check_choice, check_ratio
 from .scoring import FALLBACKS, importance
 
 

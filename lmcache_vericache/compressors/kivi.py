@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from . import register
-from .base import KVCompressor, KVQuantizer, check_choice
+from .base import KVCompressor, KVQuantizer
 from .packing import decode_per_token, dequantize, encode_per_token, quantize
+from .params import check_choice
 
 
 @register

@@ -34,8 +34,9 @@ from typing import Any
 import torch
 
 from . import register
-from .base import CompressionContext, KVCompressor, Layout, TokenEvictor, budget, check_ratio
+from .base import CompressionContext, KVCompressor, Layout, TokenEvictor, budget
 from .kvzip import kvzip_scores
+from .params import check_ratio
 
 Tensor = torch.Tensor
 

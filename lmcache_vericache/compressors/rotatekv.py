@@ -23,8 +23,9 @@ from functools import lru_cache
 import torch
 
 from . import register
-from .base import KVCompressor, KVQuantizer, check_choice
+from .base import KVCompressor, KVQuantizer
 from .packing import decode_per_token, encode_per_token
+from .params import check_choice
 
 MAX_DIM = 1024  # largest head_dim: the rotation is a dim x dim matrix
 

@@ -18,7 +18,8 @@ import math
 import torch
 from torch import Tensor
 
-from .base import CompressionContext, check_choice, split_heads
+from .base import CompressionContext, split_heads
+from .params import check_choice
 
 FALLBACKS = ("error", "key_norm")
 

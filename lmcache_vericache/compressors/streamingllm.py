@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from . import register
-from .base import CompressionContext, KVCompressor, TokenEvictor, budget, check_ratio
+from .base import CompressionContext, KVCompressor, TokenEvictor, budget
+from .params import check_ratio
 
 
 @register

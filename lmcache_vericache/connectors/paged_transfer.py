@@ -8,8 +8,8 @@ vLLM's scheduler; the connector (:mod:`.vericache_connector`) turns vLLM's hooks
   sharing a prefix that load together share each read: the prefix crosses the link once), and
   written into the request's blocks in vLLM's CPU layout (:mod:`.paged_layout`) from the first
   position vLLM has not computed itself (blocks before it may be shared with other requests, and
-  are never written). With a drafter registered (:mod:`.drafts`) the compressed chunks are fetched
-  first and a draft job starts over them. The first chunk that misses, fails its digest or has the
+  are never written). With a drafter that can draft (:class:`~.drafts.LoadDrafter`, the proposer
+  attached) the compressed chunks are fetched first and a draft job starts over them. The first chunk that misses, fails its digest or has the
   wrong shape ends the load: its blocks and every later one are reported by :meth:`take_errors`,
   no later than the request by :meth:`take_finished`, so vLLM recomputes them.
 * Saves (:meth:`PagedTransfer.save`): a synchronous token-major copy (``KV_2LTD``) right after the
@@ -34,8 +34,8 @@ import torch
 from ..backends.keys import KeySpace
 from ..backends.store import DualTierStore
 from ..engine.cache import kv_to_2ltd
-from . import drafts
 from . import paged_layout as pl
+from .drafts import DraftJob, LoadDrafter
 
 logger = logging.getLogger("vllm." + __name__)  # shown by vLLM's log handler
 Tensor = torch.Tensor
@@ -88,8 +88,9 @@ class PagedTransfer:
 
     def __init__(self, store: DualTierStore, space: KeySpace, chunk_size: int, block_size: int,
                  layers: list[Tensor], isas: Callable[[], list[str | None]], draft_tokens: int,
-                 load_timeout_s: float, stats: ConnectorStats) -> None:
+                 load_timeout_s: float, stats: ConnectorStats, drafter: LoadDrafter | None = None) -> None:
         self.store, self.space, self.chunk_size, self.block_size = store, space, chunk_size, block_size
+        self.drafter = drafter
         self.draft_tokens, self.load_timeout_s, self.stats = draft_tokens, load_timeout_s, stats
         self._layers, self._isas = layers, isas
         self._layouts: list[pl.BlockLayout] | None = None
@@ -129,7 +130,7 @@ class PagedTransfer:
             # The compressed chunks first, alone on the link: drafting starts after their bytes
             # instead of after a share of the full chunks' too, and on a bandwidth-bound link the
             # full chunks arrive no later (the same bytes cross it either way).
-            if self.draft_tokens and drafts.can_draft():  # no proposer: no compressed bytes moved
+            if self.draft_tokens and self.drafter is not None and self.drafter.can_draft:  # no proposer: no compressed bytes moved
                 job = self._start_drafts(spec)
             chunks = self._fetch(spec.keys)
             blocks = torch.tensor(spec.block_ids)
@@ -162,7 +163,7 @@ class PagedTransfer:
                 self._errors.update(failed)
             self._finished.add(spec.req_id)
 
-    def _start_drafts(self, spec: LoadSpec) -> drafts.DraftJob | None:
+    def _start_drafts(self, spec: LoadSpec) -> DraftJob | None:
         """A draft job over the request's compressed chunks, or ``None``. Drafting is an
         optimisation: a failure here (a compressed chunk the drafter cannot use) is logged and the
         load goes on, it must never fail the full load."""
@@ -171,7 +172,7 @@ class PagedTransfer:
                 ckvs = self.store.get_compressed_prefix(self.space.token_keys(spec.prompt[:spec.stop]))
             if not ckvs:
                 return None
-            job = drafts.start(spec.req_id, spec.prompt, ckvs, self.store.compressor, len(ckvs) * self.chunk_size,
+            job = self.drafter.start(spec.req_id, spec.prompt, ckvs, self.store.compressor, len(ckvs) * self.chunk_size,
                                self.draft_tokens)
         except Exception as e:
             logger.warning("vericache connector: no drafts during the load of %s (%s: %s)", spec.req_id,

@@ -35,7 +35,9 @@ over the store's compressed chunks (the connector's compressor and chunk size; `
 connector saved or loaded) are read from its hot tier, not compressed again; the rest (generated
 tokens) are compressed here. It also drafts during a prefix load (:mod:`.drafts`): its runtime drafts
 over the store's compressed chunks while the full chunks stream in, and the first step after the load
-proposes those drafts (whatever the gate says: they were made while the request waited).
+proposes those drafts (whatever the gate says: they were made while the request waited). Proposer and
+connector meet in the engine's :class:`~.worker_context.WorkerContext` (the proposer attaches its
+runtime to the context's drafter; the connector fills in its store when its worker side starts).
 
 Request identity: vLLM passes no request ids, and rows of ``token_ids_cpu`` move as requests come and
 go. A draft state is therefore matched to a row by content: the state's committed tokens must be a
@@ -47,7 +49,6 @@ forward pre-hook on the target model): row ``i`` of it is row ``i`` of ``token_i
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -64,10 +65,10 @@ from ..engine.cache import KVCache, append_chunks, kv_to_2ltd
 from ..engine.horizon import Horizon
 from ..engine.runtime import Segment
 from ..options import parse_options
-from . import drafts
 from . import paged_layout as pl
 from .pay_gate import MAX_BYTES_RATIO, PayGate, weight_bytes
 from .vllm_model import runtime_for
+from .worker_context import ChunkSource, WorkerContext
 
 logger = logging.getLogger(__name__)
 Tensor = torch.Tensor
@@ -137,7 +138,7 @@ class _State:
     drafted: int = 0  # drafts proposed at the last step
     # How the prefix is chunked: the KV connector's store (its compressor and chunk size, chunks read
     # from it where it has them) or this proposer's own options (chunks compressed here).
-    source: drafts.ChunkSource | None = None
+    source: ChunkSource | None = None
 
 
 @dataclass
@@ -165,6 +166,7 @@ class CompressedKVProposer:
         self.compressor = compressors.get(self.opts.compressor, **self.opts.compressor_params)
         self.max_draft = self.opts.max_draft or self.k
         self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.context = WorkerContext.of(vllm_config)
         self.states: list[_State] = []
         self.stats = ProposerStats()
         self.gate = PayGate(max_step_tokens=self.k + 1) if self.opts.gate else None
@@ -180,46 +182,22 @@ class CompressedKVProposer:
     # -- vLLM hooks ------------------------------------------------------------------------------
     def load_model(self, target_model: torch.nn.Module) -> None:
         self.rt = runtime_for(target_model)
-        drafts.register(self.rt)  # the KV connector's load window drafts with these weights
+        self.context.drafter.attach(self.rt)  # the KV connector's load window drafts with these weights
         self._attn = [layer.self_attn.attn for layer in target_model.model.layers]
         target_model.register_forward_pre_hook(self._capture)
-        # vLLM's forward and the load-window drafter must not run the model at once (drafts.model_lock).
+        # vLLM's forward and the load-window drafter must not run the model at once (ModelGuard).
         # (A hook returning a value would replace the forward's inputs / output: these return None.)
-        target_model.register_forward_pre_hook(self._enter_forward)
-        target_model.register_forward_hook(self._leave_forward, always_call=True)
+        guard = self.context.guard
+        target_model.register_forward_pre_hook(lambda *_: guard.enter())
+        target_model.register_forward_hook(lambda *_: guard.leave(), always_call=True)
         compute_logits = target_model.compute_logits
 
         def locked_logits(*args: Any, **kwargs: Any) -> Any:
-            drafts.vllm_idle.clear()
-            try:
-                with drafts.model_lock:
-                    return compute_logits(*args, **kwargs)
-            finally:
-                drafts.vllm_idle.set()
+            with guard.vllm():
+                return compute_logits(*args, **kwargs)
 
         target_model.compute_logits = locked_logits
         target_model._vericache_proposer = self  # reachable from LLM.apply_model (stats, tests)
-
-    @staticmethod
-    @contextlib.contextmanager
-    def _owning_model() -> Any:
-        """The model for a draft forward of ``propose`` (vLLM's thread): the load drafter waits."""
-        drafts.vllm_idle.clear()
-        try:
-            with drafts.model_lock:
-                yield
-        finally:
-            drafts.vllm_idle.set()
-
-    @staticmethod
-    def _enter_forward(*_: Any) -> None:
-        drafts.vllm_idle.clear()  # the load drafter yields before its next step
-        drafts.model_lock.acquire()
-
-    @staticmethod
-    def _leave_forward(*_: Any) -> None:
-        drafts.model_lock.release()
-        drafts.vllm_idle.set()
 
     def _capture(self, module: torch.nn.Module, args: Any) -> None:
         """Keep the block table of the step's forward; ``propose`` runs after it in the same step."""
@@ -240,7 +218,7 @@ class CompressedKVProposer:
         t0 = time.perf_counter()
         if self._first:
             self._count_first_acceptance(num_tokens_no_spec, token_ids_cpu)
-        pre = self._load_drafts(out, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) if drafts.pending() else set()
+        pre = self._load_drafts(out, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) if self.context.drafter.pending() else set()
         lengths = [int(num_tokens_no_spec[i]) if len(s) else -1 for i, s in enumerate(sampled_token_ids)]
         if self.gate is not None and not self._may_pay(lengths):
             self.gate.pause()
@@ -270,7 +248,7 @@ class CompressedKVProposer:
         tokens = {i: int(token_ids_cpu[i, pos]) for i, _, pos, _ in work}
         for step in range(max((n for *_, n in work), default=0)):
             live = [(i, st, pos) for i, st, pos, n in work if n > step]
-            with self._owning_model():
+            with self.context.guard.vllm():  # a draft forward on vLLM's thread: the load drafter waits
                 logits, _ = self.rt.forward(torch.tensor([tokens[i] for i, _, _ in live]),
                                             torch.tensor([pos + step for _, _, pos in live]),
                                             [Segment(st.cache, 1) for _, st, _ in live])
@@ -301,11 +279,11 @@ class CompressedKVProposer:
         5% it may)."""
         if self._weight_bytes is None:
             return True
-        ratio = self._kept_ratio(drafts.chunk_source())
+        ratio = self._kept_ratio(self.context.source)
         kv = sum(n for n in lengths if n > 0) * self.rt.kv_bytes_per_token()
         return self._weight_bytes + ratio * kv <= MAX_BYTES_RATIO * (self._weight_bytes + kv)
 
-    def _kept_ratio(self, source: drafts.ChunkSource | None) -> float:
+    def _kept_ratio(self, source: ChunkSource | None) -> float:
         """Share of a chunk's entries a draft cache holds, for the compressor drafts will use (the
         connector's store's, where there is one). Measured once per compressor on a random chunk:
         the draft cache is dense (decompressed), so a quantizer keeps all entries."""
@@ -327,11 +305,11 @@ class CompressedKVProposer:
             n_tok = int(num_tokens_no_spec[i])
             if len(sampled) == 0 or n_tok < 2:
                 continue
-            made = drafts.take(token_ids_cpu[i, :n_tok - 1].tolist())
+            made = self.context.drafter.take(token_ids_cpu[i, :n_tok - 1].tolist())
             if made is None:
                 continue
             matched = bool(made) and made[0] == int(token_ids_cpu[i, n_tok - 1])
-            drafts.count_use(matched)
+            self.context.drafter.count_use(matched)
             if matched:
                 out[i] = made[1:1 + min(self.k, self.max_model_len - n_tok)]
                 self.stats.load_drafts += len(out[i])
@@ -358,7 +336,7 @@ class CompressedKVProposer:
                 best = st
         if best is None:
             return _State(self.rt.new_cache(max(256, len(row) + self.max_draft)), row[:0].copy(), self._horizon(),
-                          source=drafts.chunk_source())
+                          source=self.context.source)
         if any(best is c for c in claimed):  # two rows with one history: give the second its own copy
             return _State(best.cache.clone(), best.tokens.copy(), self._horizon(), best.prefix, source=best.source)
         return best

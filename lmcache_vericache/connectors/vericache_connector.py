@@ -25,9 +25,9 @@
   writer thread ``put``\\ s it (full + compressed copy), off the forward's critical path.
 * The worker side's data movement (loads, shared reads, saves, their threads and failure rules)
   is :class:`~lmcache_vericache.connectors.paged_transfer.PagedTransfer`; the hooks here are thin.
-* One store per process and config (scheduler and worker share it when vLLM runs them in one
-  process), so ``capacity: memory`` works within one vLLM instance; share across instances with
-  disk, redis, redis_cluster, lm or nixl.
+* One store per engine, held by its :class:`~.worker_context.WorkerContext` (the scheduler and
+  worker sides share it where vLLM runs them in one process), so ``capacity: memory`` works within
+  one vLLM instance; share across instances with disk, redis, redis_cluster, lm or nixl.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import atexit
 import dataclasses
 import logging
 import re
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,10 +50,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ..backends import StoreConfig
 from ..backends.keys import KeySpace, folder_fingerprint
-from ..backends.store import DualTierStore
 from ..options import parse_options
-from . import drafts
 from .paged_transfer import ConnectorStats, LoadSpec, PagedTransfer, SaveSpec
+from .worker_context import ChunkSource, WorkerContext
 
 logger = logging.getLogger("vllm." + __name__)  # shown by vLLM's log handler
 Tensor = torch.Tensor
@@ -95,19 +93,6 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> tuple[ConnectorOption
     return opts, config
 
 
-# -- one store per process and config --------------------------------------------------------------
-_STORES: dict[str, DualTierStore] = {}
-_STORES_LOCK = threading.Lock()
-
-
-def _shared_store(config: StoreConfig) -> DualTierStore:
-    with _STORES_LOCK:
-        key = repr(config)
-        if key not in _STORES:
-            _STORES[key] = config.build()
-        return _STORES[key]
-
-
 # -- scheduler -> worker metadata (LoadSpec / SaveSpec: paged_transfer) -----------------------------
 @dataclass
 class VeriCacheConnectorMetadata(KVConnectorMetadata):
@@ -115,17 +100,20 @@ class VeriCacheConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
 
 
-_INSTANCES: dict[str, VeriCacheConnector] = {}
-
-
 def connector_stats(_model: Any = None) -> dict[str, Any]:
-    """``LLM.apply_model`` helper: counters of this process's connectors (after their queued saves
-    are written), their store's, and the load drafter's."""
+    """``LLM.apply_model`` helper: counters of the worker's engine's connectors (after their queued
+    saves are written), their store's, and the load drafter's. The worker's connector is vLLM's
+    ``get_kv_transfer_group()``; the scheduler's is in its context where both run in one process."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    worker = get_kv_transfer_group() if has_kv_transfer_group() else None
+    if not isinstance(worker, VeriCacheConnector):
+        return {}
     out: dict[str, Any] = {}
-    for role, c in _INSTANCES.items():
+    for role, c in worker.context.connectors.items():
         c.flush()
         out[role] = {**dataclasses.asdict(c.stats), "store": dataclasses.asdict(c.store.stats)}
-    out["drafts"] = drafts.stats()
+    out["drafts"] = worker.context.drafter.stats()
     return out
 
 
@@ -154,9 +142,10 @@ class VeriCacheConnector(KVConnectorBase_V1):
                              "(the store keeps the model dtype)")
         self.config = config.with_heads(mc.get_total_num_kv_heads(), where=WHERE)
         self.space = self._key_space(mc)
-        self.store = _shared_store(self.config)
+        self.context = WorkerContext.of(vllm_config)
+        self.store = self.context.store_for(self.config)
         self.stats = ConnectorStats()
-        _INSTANCES["scheduler" if role == KVConnectorRole.SCHEDULER else "worker"] = self
+        self.context.connectors["scheduler" if role == KVConnectorRole.SCHEDULER else "worker"] = self
         # scheduler state, per request id
         self._hits: dict[str, int] = {}  # hit end found by the last lookup
         self._pending: dict[str, LoadSpec] = {}
@@ -283,9 +272,10 @@ class VeriCacheConnector(KVConnectorBase_V1):
         ctx = self._vllm_config.compilation_config.static_forward_context
         self.transfer = PagedTransfer(self.store, self.space, self.opts.chunk_size, self.block_size,
                                       [kv_caches[n] for n in names], lambda: [getattr(ctx[n], "isa", None) for n in names],
-                                      self.opts.draft_tokens, self.opts.load_timeout_s, self.stats)
+                                      self.opts.draft_tokens, self.opts.load_timeout_s, self.stats,
+                                      drafter=self.context.drafter)
         atexit.register(self.transfer.flush)  # queued saves are written before the worker exits
-        drafts.register_source(drafts.ChunkSource(self.store, self.space, self.opts.chunk_size))
+        self.context.source = ChunkSource(self.store, self.space, self.opts.chunk_size)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -310,7 +300,7 @@ class VeriCacheConnector(KVConnectorBase_V1):
             self.transfer.flush(timeout)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        drafts.forget(finished_req_ids)  # drafts of requests that ended (aborted) are never taken
+        self.context.drafter.forget(finished_req_ids)  # drafts of requests that ended (aborted) are never taken
         return None, (self.transfer.take_finished() or None) if self.transfer is not None else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -1,8 +1,11 @@
 """Draft/verify engine: compressed-KV drafting, full-KV verification, swap overlapped with drafting.
 
-Modules: ``scheduler`` (the engine: rounds), ``prefill`` (a new request's caches), ``cache`` (KV
-caches and the draft layout), ``runtime`` (the forward), ``model`` / ``hf_model`` (the model
-interface and its Hugging Face adapter), ``swap``, ``verify``, ``horizon``, ``proposer``, ``request``.
+Modules: ``vericache_engine`` (the facade: construct, generate, reference), ``config`` (its
+options), ``admission`` (which requests get caches, their set-up), ``rounds`` (draft -> swap ->
+verify -> commit), ``request`` (per-request state), ``residency`` (where the full KV lives),
+``prefill`` (a new request's caches), ``cache`` (KV caches and the draft layout), ``runtime`` (the
+forward), ``model`` / ``hf_model`` (the model interface and its Hugging Face adapter), ``swap``,
+``verify``, ``horizon``, ``ngram`` (the prompt-lookup proposer).
 
 >>> from lmcache_vericache.engine import VeriCacheEngine
 >>> eng = VeriCacheEngine(model, "streamingllm", {"keep_ratio": 0.25}, draft_len="auto")
@@ -14,17 +17,18 @@ interface and its Hugging Face adapter), ``swap``, ``verify``, ``horizon``, ``pr
 """
 
 from .cache import KVCache
+from .config import EngineConfig
 from .hf_model import HfModel
 from .horizon import Horizon
 from .model import DecoderModel
-from .proposer import NgramProposer
+from .ngram import NgramProposer
 from .request import RequestStats, Result
 from .runtime import Runtime, Segment
-from .scheduler import VeriCacheEngine
 from .swap import Source, SwapIn
+from .vericache_engine import VeriCacheEngine
 from .verify import Sampling, accept
 
 __all__ = [
-    "DecoderModel", "HfModel", "Horizon", "KVCache", "NgramProposer", "RequestStats", "Result", "Runtime",
+    "DecoderModel", "EngineConfig", "HfModel", "Horizon", "KVCache", "NgramProposer", "RequestStats", "Result", "Runtime",
     "Sampling", "Segment", "Source", "SwapIn", "VeriCacheEngine", "accept",
 ]

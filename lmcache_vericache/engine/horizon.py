@@ -6,27 +6,28 @@
 
 with ``a`` the measured per-token acceptance rate (accepted drafts over accept/reject trials),
 ``t_draft`` the measured draft step (from rounds without a swap once there is one) and
-``v(L) = v0 + v1 * (L + 1)`` the verify forward's cost fitted to recent rounds: near-constant where verifying is memory-bound (a GPU: L grows with acceptance),
-growing with L where it is compute-bound (a CPU verifying 17 tokens over 8k entries took 4 decode
-steps: L stays short). The swap of the full prefix must hide behind drafting, so L >= L_min =
-ceil(T_swap / t_draft) while rounds swap. Until two different L were verified, L doubles after a round that accepted
-every draft and drops to about 1.5x the recent accepted run after a rejection. The horizon only
-changes how many drafts are verified at once, never which tokens are emitted.
+``v(L) = v0 + v1 * (L + 1)`` the verify forward's cost fitted to recent rounds: near-constant where
+verifying is memory-bound (a GPU: L grows with acceptance), growing with L where it is
+compute-bound (a CPU, where a verify block of many tokens costs several decode steps: L stays
+short). The swap of the full prefix must hide behind drafting, so L >= L_min = ceil(T_swap /
+t_draft) while rounds swap. Until two different L were verified, L doubles after a round that
+accepted every draft and drops to about 1.5x the recent accepted run after a rejection. The
+horizon only changes how many drafts are verified at once, never which tokens are emitted.
 
 Where drafting does not pay (the draft step costs about a full step: short contexts, where the
 weights dominate a step; a CPU whose verify blocks cost several full steps), ``plain_ok`` lets auto
 choose L = 0: each round verifies the last token alone, i.e. plain full-KV decoding. The scheduler
 sets it only with the full KV resident, where no round after the first swaps. The round after the
-first drafting round without a swap (a swap slows the drafting it shares the CPU with: measured,
-8 requests at 8k drafted at half speed while their stored prefixes swapped in) is plain: a plain
-step takes another attention path than a verify block, so its cost is measured, not extrapolated
-from the verify fit; a trial is ``plain_trial`` rounds and their median decides (one slow step
-does not). From then on the measured tokens/s of plain and drafting rounds decide (the mode in use
-stays unless the other measured ``switch_margin`` faster), and each mode is re-measured now and
-then, so a change in acceptance or costs is noticed at a bounded price: while plain wins, one
-drafting round once the plain rounds have run ``probe_ratio`` times as long as the last drafting
-round took (none in a short run); while drafting wins, a plain trial once drafting has run
-``probe_ratio`` times as long as a trial takes.
+first drafting round without a swap (a swap slows the drafting it shares the CPU with, so rounds
+beside it say little about drafting's rate) is plain: a plain step takes another attention path
+than a verify block, so its cost is measured, not extrapolated from the verify fit; a trial is
+``plain_trial`` rounds and their median decides (one slow step does not). From then on the
+measured tokens/s of plain and drafting rounds decide (the mode in use stays unless the other
+measured ``switch_margin`` faster), and each mode is re-measured now and then, so a change in
+acceptance or costs is noticed at a bounded price: while plain wins, one drafting round once the
+plain rounds have run ``probe_ratio`` times as long as the last drafting round took (none in a
+short run); while drafting wins, a plain trial once drafting has run ``probe_ratio`` times as long
+as a trial takes.
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ class Horizon:
                 self._step_s = _ema(self._step_s, draft_step_s)
         # The floor L >= swap / draft step holds while rounds swap (offload: every round). With the
         # full KV resident only the first round swaps (a stored prefix, once); keeping its floor
-        # held every later round to a long L that a CPU's costly verify blocks do not repay.
+        # would hold every later round to a long L that a CPU's costly verify blocks do not repay.
         self._swap_s = _ema(self._swap_s, swap_s) if swap_s > 0 else 0.0
         # accepted drafts are successes; the first rejected one (if any) a failure
         self._hits = 0.8 * self._hits + sum(a for _, a in rounds)
@@ -155,12 +156,13 @@ class Horizon:
     @property
     def _plain_rate(self) -> float:
         """Tokens/s of plain rounds: the median of the recent ones (the first plain steps after
-        drafting rounds measured up to 25% slow), 0 before any."""
+        drafting rounds run slow), 0 before any."""
         return 1.0 / statistics.median(self._plain_steps) if self._plain_steps else 0.0
 
     def _prefer_plain(self) -> bool:
         """Whether the measured rates choose plain decoding; the mode chosen now stays unless the
-        other measured ``switch_margin`` faster (noise on a shared machine flipped them every few rounds)."""
+        other measured ``switch_margin`` faster (without a margin, noise on a shared machine flips
+        the modes every few rounds)."""
         if self._plain_chosen:
             return not self._draft_rate > self.switch_margin * self._plain_rate
         return self._plain_rate > self.switch_margin * self._draft_rate

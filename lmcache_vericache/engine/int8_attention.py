@@ -12,7 +12,7 @@ weights rounded to 8 bits: drafting numerics), with AVX2 alone two multiply-adds
 (7 bits), elsewhere codes are converted to float.
 
 The kernel is compiled on first use (:mod:`.kernels`). Where it cannot be built, :func:`available`
-is False and int8 drafters attend over a dequantized copy as before (slower, same tokens)."""
+is False and int8 drafters attend over a dequantized copy (slower, same tokens)."""
 
 from __future__ import annotations
 
@@ -66,8 +66,8 @@ class Int8Prefix:
     def append(self, layer: int, kq: Tensor, ks: Tensor, vq: Tensor, vs: Tensor) -> None:
         """Append codes ``[H, n, D]`` and scales ``[H, n]`` (any float dtype; one or more chunks) to a
         layer. Only a partly filled last block is re-blocked (chunks are whole blocks: none is); earlier
-        blocks are copied as they are (re-blocking them all made laying out an 8k prefix chunk by
-        chunk take 1.6 s)."""
+        blocks are copied as they are (re-blocking them all would make laying out a prefix chunk by
+        chunk quadratic in its length)."""
         n = self.length(layer)
         whole = n // BLOCK  # blocks kept as they are
         keys = torch.cat([_unblock_keys(self.kq[layer][:, whole:], n - whole * BLOCK), kq], dim=1)

@@ -1,9 +1,9 @@
 """The engine's linear layers: the package's kernel (``kernels/linear.cpp``) for the few rows of a
 decode step or a verify block on a CPU, PyTorch elsewhere.
 
-With 1-200 rows the weights are most of a step's bytes, and the BLAS behind ``F.linear`` ran far
-from that bound on an AVX2-only CPU: 8 fp32 rows at 2.7x the kernel's time, bf16 weights (no bf16
-arithmetic there) at 3-5x from 4 rows on (``benchmarks/linear.py``). On the kernel's path (up to
+With 1-200 rows the weights are most of a step's bytes, and the BLAS behind ``F.linear`` runs far
+from that bound on an AVX2-only CPU, bf16 weights (no bf16 arithmetic there) furthest
+(``benchmarks/linear.py`` measures both paths; docs/benchmarks.md). On the kernel's path (up to
 ``MAX_ROWS`` rows) a row's output does not depend on the rows that share its call.
 """
 
@@ -18,8 +18,8 @@ from . import kernels
 
 Tensor = torch.Tensor
 
-# Rows up to which the kernel runs; above (prefill chunks) the BLAS's blocking wins. Measured on
-# AVX2 the kernel led up to 256 rows (fp32 1.1x there, bf16 5x).
+# Rows up to which the kernel runs; above (prefill chunks) the BLAS's blocking wins. On AVX2 the
+# kernel leads in fp32 and bf16 up to 256 rows (docs/benchmarks.md).
 MAX_ROWS = 256
 
 
@@ -54,7 +54,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if (x.device.type == "cpu" and x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2
             and x.shape[0] > MAX_ROWS and not _bf16_arithmetic()):
         # prefill rows of bf16 weights where the CPU has no bf16 arithmetic: the fp32 BLAS on widened
-        # copies (5x the bf16 BLAS there; the copy is small beside a product of this many rows)
+        # copies (far faster than the bf16 BLAS there; the copy is small beside a product of this many rows)
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
     return F.linear(x, weight, bias)
 

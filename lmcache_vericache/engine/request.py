@@ -1,7 +1,9 @@
-"""Per-request state and statistics of the draft/verify loop."""
+"""Per-request state and statistics of the draft/verify loop, and the request's own transitions
+(:meth:`Request.emit`, :meth:`Request.pick`, :meth:`Request.release`)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -9,7 +11,9 @@ import torch
 
 from .cache import KVCache
 from .horizon import Horizon
+from .kvfetch import CertifiedPrefix
 from .swap import SwapIn
+from .verify import Sampling
 
 
 @dataclass
@@ -116,3 +120,29 @@ class Request:
     def pos(self) -> int:
         """Position of the last token (the next one fed)."""
         return len(self.tokens) - 1
+
+    def emit(self, new: list[int], eos_ids: set[int]) -> None:
+        """Append ``new`` tokens up to the request's limit; the request is done at its limit or
+        after an EOS (nothing past an EOS is emitted)."""
+        if not self.stats.ttft_s:
+            self.stats.ttft_s = time.perf_counter() - self.t0
+        for t in new[:self.remaining]:
+            self.tokens.append(t)
+            if t in eos_ids:
+                self.done = True
+                break
+        self.stats.new_tokens = len(self.out)
+        if self.remaining <= 0:
+            self.done = True
+
+    def pick(self, logits: torch.Tensor, sampling: Sampling) -> int:
+        """The target's own next token from ``logits``; records the top-1 minus top-2 margin."""
+        top2 = logits.topk(2).values
+        self.margins.append(float(top2[0] - top2[1]))
+        return sampling.pick(logits, self.gen)[0]
+
+    def release(self) -> None:
+        """Free the request's KV (a finished request needs none); KVFetch counters go to its stats first."""
+        if self.draft is not None and isinstance(self.draft.packed, CertifiedPrefix):
+            self.stats.kvfetch = self.draft.packed.stats.as_dict()
+        self.full = self.draft = None

@@ -12,7 +12,8 @@ import torch
 
 from lmcache_vericache import compressors
 from lmcache_vericache.backends import DiskTier, DualTierStore, MemoryTier, StoreConfig
-from lmcache_vericache.backends.store import COMPRESSED_SUFFIX, MAC_SUFFIXES
+from lmcache_vericache.backends.mac import MAC_SUFFIXES
+from lmcache_vericache.backends.store import COMPRESSED_SUFFIX
 from lmcache_vericache.backends.tiers.redis import RedisTier
 from lmcache_vericache.compressors import to_bytes
 

@@ -12,8 +12,9 @@ from lmcache_vericache import compressors
 from lmcache_vericache.backends.keys import KeySpace
 from lmcache_vericache.backends.store import DualTierStore
 from lmcache_vericache.backends.tiers.memory import MemoryTier
-from lmcache_vericache.connectors import drafts
 from lmcache_vericache.connectors import paged_layout as pl
+from lmcache_vericache.connectors.drafts import LoadDrafter
+from lmcache_vericache.connectors.model_guard import ModelGuard
 from lmcache_vericache.connectors.paged_transfer import ConnectorStats, LoadSpec, PagedTransfer
 from lmcache_vericache.engine import Runtime
 
@@ -35,10 +36,11 @@ def test_a_drafting_failure_does_not_fail_the_load(tiny_model, caplog):
         store.put(key, full, start=i * CHUNK)
     caches = [torch.zeros(8, HEADS, BLOCK, 2 * HEAD) for _ in range(LAYERS)]
     stats = ConnectorStats()
+    drafter = LoadDrafter(ModelGuard())
+    drafter.attach(Runtime(tiny_model))
     transfer = PagedTransfer(store, space, CHUNK, BLOCK, caches, lambda: ["vec"] * LAYERS, draft_tokens=8,
-                             load_timeout_s=30, stats=stats)
+                             load_timeout_s=30, stats=stats, drafter=drafter)
     blocks = [5, 2, 7, 0, 3]  # 69 positions, not in order
-    drafts.register(Runtime(tiny_model))
     try:
         with caplog.at_level(logging.WARNING):
             transfer.load(LoadSpec("r", keys, blocks, 0, 2 * CHUNK, prompt))
@@ -47,7 +49,6 @@ def test_a_drafting_failure_does_not_fail_the_load(tiny_model, caplog):
                 assert time.monotonic() < deadline, "the load never finished"
                 time.sleep(0.01)
     finally:
-        drafts.register(None)
         transfer.close()
         store.close()
     assert "no drafts during the load of r" in caplog.text

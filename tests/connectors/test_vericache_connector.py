@@ -87,6 +87,34 @@ def test_lookup_counts_leading_stored_chunks_and_plans_the_load(tmp_path):
     assert c.get_num_new_matched_tokens(request("r3", [7] + prompt[1:]), 0) == (0, False)
 
 
+def test_engines_in_one_process_have_their_own_context_and_store():
+    """The scheduler and worker sides of one engine (one VllmConfig) share its context and store
+    (a memory store then serves within the engine); a second engine in the same process shares
+    neither, and the proposer of an engine finds that engine's context."""
+    import copy
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from lmcache_vericache.connectors.worker_context import WorkerContext
+
+    extra = {"chunk_size": CHUNK, "capacity": "memory"}
+    cfg_a, cfg_b = vllm_config(extra), vllm_config(extra)
+    sched_a = VeriCacheConnector(cfg_a, KVConnectorRole.SCHEDULER, None)
+    worker_a = VeriCacheConnector(cfg_a, KVConnectorRole.WORKER, None)
+    worker_b = VeriCacheConnector(cfg_b, KVConnectorRole.WORKER, None)
+    assert sched_a.context is worker_a.context is WorkerContext.of(cfg_a)
+    assert worker_b.context is not worker_a.context and worker_b.context.drafter is not worker_a.context.drafter
+    assert sched_a.store is worker_a.store and worker_b.store is not worker_a.store
+    prompt = list(range(300))
+    key = worker_a.space.token_keys(prompt)[0]
+    worker_a.store.put(key, torch.zeros(2, 30, CHUNK, 192))  # saved by engine A's worker
+    assert sched_a.get_num_new_matched_tokens(request("a", prompt), 0) == (256, True)
+    assert not worker_b.store.has_full(key)
+    assert set(worker_a.context.connectors) == {"scheduler", "worker"}
+    # Process-local: a copied config (vLLM ships configs to worker processes) starts a fresh context.
+    assert WorkerContext.of(copy.deepcopy(cfg_a)) is not worker_a.context
+
+
 def test_dead_store_is_zero_hits_never_an_error(redis_server_factory):
     server = redis_server_factory()
     c = scheduler({"capacity": "redis", "redis_url": server.url, "redis_timeout_s": 1.0})

@@ -128,8 +128,8 @@ def test_long_generation_compresses_generated_chunks(tiny_model, full_kv, method
     exact = []
     out = eng.generate(prompts, 400, on_round=lambda r: exact.append(r.draft.n))
     assert [o.tokens for o in out] == [r.tokens for r in ref]
-    assert max(exact) < 64 + eng.query_window + 6 + 1
+    assert max(exact) < 64 + eng.config.query_window + 6 + 1
     for o, n in zip(out, [300, 170]):
-        assert o.stats.generated_chunks >= (n + 400 - 64 - eng.query_window - 7) // 64 - n // 64
+        assert o.stats.generated_chunks >= (n + 400 - 64 - eng.config.query_window - 7) // 64 - n // 64
     if full_kv == "offload":  # the last rounds swapped the generated chunks in too
         assert eng.store.stats.full_hits > sum(o.stats.rounds for o in out) * (300 // 64)

@@ -16,7 +16,7 @@ from lmcache_vericache import compressors as C
 from lmcache_vericache.backends import DiskTier, DualTierStore, MemoryTier, TierError, encode_full
 from lmcache_vericache.backends.store import FULL_SUFFIX
 from lmcache_vericache.engine import NgramProposer, Runtime, Segment, VeriCacheEngine
-from lmcache_vericache.engine import scheduler as engine_mod
+from lmcache_vericache.engine import rounds as engine_mod
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SL = ("streamingllm", {"keep_ratio": 0.25})  # evicts 3/4: plenty of rejections

@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import lmcache_vericache.engine.scheduler as engine_mod
+import lmcache_vericache.engine.rounds as engine_mod
 from lmcache_vericache.engine import Sampling, VeriCacheEngine, accept
 from lmcache_vericache.models import tiny_llama
 

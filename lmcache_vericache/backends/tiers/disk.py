@@ -233,7 +233,7 @@ class DiskTier(CapacityTier):
 
     def _read_fd(self, fd: int, size: int) -> Blob:
         # One uninitialized allocation, as a plain file read does; a bytearray would be zero-filled
-        # first, an extra pass over memory (measured: ~40% of raw read bandwidth from page cache).
+        # first, an extra pass over memory that costs a large share of a read from the page cache.
         data = os.read(fd, size)
         while len(data) < size:  # short reads: only for values over 2 GiB
             more = os.read(fd, size - len(data))

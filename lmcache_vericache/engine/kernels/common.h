@@ -14,8 +14,8 @@
 namespace vericache {
 
 // Floats per vector: the target's register width. GCC/Clang lower a vector extension type wider
-// than the registers through general-purpose registers and the stack, not as a pair of registers:
-// the kernels' 16-float vectors on an AVX2-only CPU ran 3-5x slower than PyTorch's flash kernel.
+// than the registers through general-purpose registers and the stack, not as a pair of registers,
+// so 16-float vectors on an AVX2-only CPU would be far slower than 8-float ones.
 // -DVERICACHE_VEC_WIDTH=N builds another width (tests check the 16-lane code on AVX2 machines).
 #if defined(VERICACHE_VEC_WIDTH)
 constexpr int kW = VERICACHE_VEC_WIDTH;
@@ -81,8 +81,8 @@ inline vfloat exp_nonpositive(vfloat x) {
 // kW elements of a K/V row or weight row as floats (bf16: the bits shifted into the high half).
 inline vfloat load_as_float(const float* p) { return load_floats(p); }
 #if defined(__AVX2__) && !defined(__AVX512F__) && !defined(VERICACHE_VEC_WIDTH)
-// AVX2 (8 floats): one vpmovzxwd from memory and a shift; the portable form below compiled to two
-// half-width conversions and an insert (linear.cpp's bf16 rows at 136 rows: 42 -> 53 GFLOP/s).
+// AVX2 (8 floats): one vpmovzxwd from memory and a shift; the portable form below compiles to two
+// half-width conversions and an insert.
 inline vfloat load_as_float(const c10::BFloat16* p) {
   const __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
   return reinterpret_cast<vfloat>(w);

@@ -46,7 +46,7 @@ constexpr int64_t kTile = 512;  // tokens per work item
 constexpr int kRows = kW;       // query rows per score vector (one register of floats)
 constexpr int kTok = 4;         // tokens scored together (share each q load)
 // Row vectors scored together (share each k broadcast): on AVX2 three, 12 accumulators to cover the
-// FMA latency (two: 8; about 1% apart at 8k, within noise).
+// FMA latency.
 constexpr int kScoreVecs = kW == 16 ? 1 : 3;
 
 // A verify block's causal part: row i is the block's token i % n (n > 0), which sees the entries up
@@ -111,7 +111,7 @@ constexpr int pv_chunk(int R, int vecs) {
   return c;
 }
 // Rows a verify block's p v takes together: 12 (AVX2) or 24 (AVX-512) accumulators hide the FMA
-// latency; 2 x 4 (8 on AVX2) left the FMA units a fifth idle.
+// latency, which blocks of 2 x 4 rows (8 accumulators on AVX2) do not.
 constexpr int kPvRows = 6;
 
 // o [rows ib..ib+R, D] += p v over tokens t0..t1 of the tile (vf: their V rows as floats, from
@@ -159,8 +159,7 @@ inline void score_tile(const float* __restrict__ qt, int64_t mp, const T* __rest
 // Scores of a decode step's few rows (M <= 4, padded to one vector: mp == kW) as dot products: each
 // K row is widened once and meets the M rows' q in registers, then one horizontal sum per row. The
 // row-vector form above spends a whole vector per dimension on M live lanes (3 of 8 on AVX2, 3 of 16
-// on AVX-512). A decode token over 8k entries on AVX2: scores 1.37 -> 0.88 ms per layer on one core
-// (fp32); with both cores bf16 attention 1.28 -> 0.99 ms, fp32 unchanged (its memory traffic sets it).
+// on AVX-512).
 template <typename T, int D, int M>
 inline void score_rows(const float* __restrict__ qt, int64_t mp, const T* __restrict__ k, int64_t nt,
                        float* __restrict__ s) {
@@ -203,7 +202,7 @@ void tile(const float* __restrict__ qt, int64_t m, int64_t mp, const T* __restri
   mask_block(s, nt, mp, first, n);
   softmax_numerators(s, nt, mp, mx, sum);
   // o = p v over kSub tokens at a time: their V rows stay in L1 for every block of rows (a whole
-  // tile's V, 64-128 KB, streamed from L2 once per block was half of a verify block's time on AVX2)
+  // tile's V, 64-128 KB, would stream from L2 once per block of rows)
   constexpr int64_t kSub = 32;
   float vslice[kSub * D];  // a bf16 slice widened once, not once per row block
   for (int64_t t0 = 0; t0 < nt; t0 += kSub) {

@@ -14,17 +14,17 @@
 // rows contiguous; S may be 0) with its causal block size causal[j] = n: row i (block token i % n)
 // sees the suffix's first S - n + 1 + i % n entries (n = 0: all of them). That part is attended
 // exactly in float and merged into out / lse here, so a draft step's attention over "prefix codes +
-// exact window" is one call per layer for the whole batch (it was a kernel call and a log-sum-exp
-// merge per request and layer in PyTorch: about a quarter of a batch-8 draft step at 8k). An empty
-// prefix (T = 0) gives out = 0, lse = -inf before that merge.
+// exact window" is one call per layer for the whole batch, not a kernel call and a log-sum-exp merge
+// in PyTorch per request and layer (a large share of a batched draft step). An empty prefix (T = 0)
+// gives out = 0, lse = -inf before that merge.
 //
 // With AVX512-VNNI (attend_vnni) the scores are integer dot products of the codes with q rounded
 // to int8 (one scale per row), and p v integer dot products of the value codes with the weights
-// p * vs rounded to uint8 (one scale per row and block of 16 tokens): a drafter's numerics, about
-// 1e-3 from the exact result, at a fifth of the instructions. With AVX2 alone (attend_madd) the
-// same dot products are two multiply-adds each, q and the weights rounded to 7 bits. Elsewhere, or
-// with integer=false, attend_float converts the codes to float and uses FMAs (exact up to float
-// rounding).
+// p * vs rounded to uint8 (one scale per row and block of 16 tokens): a drafter's numerics
+// (tests/engine/test_int8_attention.py bounds them), at a fifth of the instructions. With AVX2
+// alone (attend_madd) the same dot products are two multiply-adds each, q and the weights rounded
+// to 7 bits. Elsewhere, or with integer=false, attend_float converts the codes to float and uses
+// FMAs (exact up to float rounding).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -259,7 +259,7 @@ void attend_vnni(const float* __restrict__ q, const int8_t* __restrict__ kb, con
 // pairs to s16) then vpmaddwd by ones (pairs to s32). vpmaddubsw saturates at 32767, so both u8
 // operands stay below 128: the scores take |k| against q carrying k's sign (vpsignb), q rounded
 // to 7 bits per row; p v takes the weights p * vs rounded to 0..127 per row and 16-token block.
-// About twice the float path's speed for drafting numerics near the VNNI path's (tested).
+// Faster than the float path, with drafting numerics near the VNNI path's (tested).
 template <int M, int D>
 void attend_madd(const float* __restrict__ q, const int8_t* __restrict__ kb, const float* __restrict__ ks,
                  const int8_t* __restrict__ vb, const float* __restrict__ vs, int64_t T, float scale,
@@ -296,7 +296,7 @@ void attend_madd(const float* __restrict__ q, const int8_t* __restrict__ kb, con
   float mx[M], sum[M];
   softmax_numerators(s, M, T, Tp, mx, sum);
   // p v: per block, each row's weights p * vs rounded to 0..127 against the block's largest, in
-  // vectors (the scalar loop with lrintf took more time than the products it feeds). Weights are
+  // vectors (a scalar loop with lrintf costs more than the products it feeds). Weights are
   // >= 0; the numerators past T are 0 (softmax_numerators), their scales too (tail).
   alignas(32) float o[M][D] = {};
   for (int64_t b = 0; b < nb; ++b) {

@@ -2,20 +2,18 @@
 // y [M, N] = x [M, K] . w [N, K]^T in x's dtype, x and w float32 or bf16 (w an nn.Linear weight as
 // it is, rows contiguous), float32 sums, K a multiple of the vector width.
 //
-// Why: with M = 1-200 rows the weights dominate the bytes, and the BLAS PyTorch calls on a CPU ran
-// far from that bound here (MKL on an AVX2-only AMD EPYC, SmolLM2-135M's layers: 8 fp32 rows at
-// 15 GFLOP/s, 2.6x the time of one row; bf16 weights, which it has no arithmetic for, at 10
-// GFLOP/s for any M: a 17-row bf16 verify block's layers cost 15 decode steps'). Here each block of
-// kCols weight rows is read from memory once, widened to float once per vector (bf16), and
-// multiplied into R x kCols register accumulators for every block of R <= kRowsMax input rows
-// while it sits in L1.
+// Why: with M = 1-200 rows the weights dominate the bytes, and the BLAS PyTorch calls on a CPU runs
+// far from that bound for so few rows (MKL on an AVX2-only CPU; worst with bf16 weights, which it
+// has no arithmetic for; docs/benchmarks.md). Here each block of kCols weight rows is read from
+// memory once, widened to float once per vector (bf16), and multiplied into R x kCols register
+// accumulators for every block of R <= kRowsMax input rows while it sits in L1.
 //
 // Each output element is one dot product, its K products summed lane-wise (lane l takes k = l mod
 // kW) and the lanes then in a fixed order (built without -fassociative-math, kernels/__init__.py,
 // so the compiler cannot regroup the sums per block size): row m's result depends on x[m] and w
-// only, not on M or on which block the row fell in. A decode step and a verify block therefore compute the same
-// linear layers bit for bit, which lossless decoding does not need (it compares against itself)
-// but which keeps greedy ties out of a batch's shape.
+// only, not on M or on which block the row fell in. A decode step and a verify block therefore
+// compute the same linear layers bit for bit, which lossless decoding does not need (it compares
+// against itself) but which keeps greedy ties out of a batch's shape.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

@@ -1,0 +1,247 @@
+"""The VeriCache engine: draft on the compressed KV, verify on the full KV, swap hidden behind drafting.
+
+Per request and round (:mod:`~.rounds`): draft ``L`` tokens on the draft cache (compressed prefix +
+exact suffix), verify ``[last token] + drafts`` in one forward over the full cache, emit the
+accepted drafts plus the target's own token, and bring both caches to the committed point.
+
+Where the full KV lives between rounds is the residency mode (:mod:`~.residency`); which requests
+get caches, and their set-up, is :mod:`~.admission`; a new request's caches come from
+:class:`~.prefill.Prefiller` (prefill and store puts, or the store's cached prefix).
+
+Shared prefix (remote prefix caching): when the store already holds the leading chunks of a prompt,
+the uncached prompt tail is fed to the drafter as the first draft step; the first verify block is
+``tail + drafts`` over the swapped-in exact prefix, so the tail's exact KV comes from a forward over
+the exact full prefix and the first emitted token is the target's own.
+
+Many requests run as one flat batch per step. With ``stagger`` each request drafts or verifies on
+its own schedule (half of them start with a half-length round), so some draft while others verify
+and the swaps spread out; ``"auto"`` staggers only in offload, where the verify pool and the
+per-round swaps need spreading. With the full KV resident the batch runs in lock step: its draft
+forwards then read only the compressed KV (a staggered draft forward also carries other requests'
+verify rows).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from .. import compressors
+from ..backends import DualTierStore, StoreConfig
+from ..backends.keys import KeySpace, model_fingerprint
+from . import int8_attention
+from .admission import Admission, Batch, Prompts
+from .config import EngineConfig, check_stagger, decoding_options, resolve_store, store_fields
+from .horizon import DraftLen, Horizon, check_draft_len
+from .ngram import NgramProposer
+from .prefill import Prefiller
+from .request import Request, Result
+from .rounds import Rounds
+from .runtime import Runtime, Segment
+from .verify import Sampling
+
+
+class VeriCacheEngine:
+    """Lossless compressed-KV drafting for a Llama-family HF model.
+
+    ``store``: where the full prefix chunks live between verifications, and the only owner of
+    storage. ``None`` (default) or a :class:`StoreConfig` / mapping of its keys: the engine builds
+    the store (a byte-bounded memory tier unless the config says ``capacity``) and closes it;
+    ``compressor`` / ``compressor_params`` fill the config's. A :class:`DualTierStore` (e.g. a shared
+    Redis one, where prompts whose prefix it holds skip that prefill) belongs to the caller; the
+    engine drafts with its compressor. ``"resident"``: no store, the full KV never leaves the
+    request (the baseline where it fits); ``compressor`` then names the drafter's method.
+
+    The keyword options are :class:`~.config.EngineConfig`'s (validated before any model work):
+    ``chunk_size``, ``draft_len``, ``max_draft_len``, ``stagger``, ``query_window``, ``full_kv``,
+    ``kv_budget_bytes``, ``verify_buffers``, ``int8_draft``, ``model_id``. ``int8_draft``: draft
+    caches keep an int8 compressor's prefix as codes, attended by the int8 kernel
+    (:mod:`~.int8_attention`); ``None``: where the compressor stores int8 codes and the kernel builds.
+
+    ``mode`` (``"exact"``, default, or ``"verkv"``) and ``verkv`` (``kvfetch_draft``, ``epsilon``,
+    ``delta``, ``sketch_bits``): the store config's decoding keys (docs/verkv.md). ``"verkv"`` decodes
+    with KVFetch-certified attention over PoissonComp chunks and no verification forward: *not*
+    identical to full-KV decoding. ``kvfetch_draft`` keeps the exact mode and drafts with KVFetch.
+
+    Chunk keys come from the shared key scheme (:class:`~lmcache_vericache.backends.keys.KeySpace`):
+    the same prompt chunk has the same key in every host whose key space agrees: ``model_id``
+    (default: a digest of this model's weights), ``hash_scheme`` (default ``blake3``), dtype,
+    ``chunk_size`` and compressor.
+    """
+
+    def __init__(self, model: torch.nn.Module, compressor: str | None = None,
+                 compressor_params: dict[str, Any] | None = None, *, chunk_size: int = 256,
+                 draft_len: DraftLen = 16, max_draft_len: int = 64,
+                 store: DualTierStore | StoreConfig | Mapping[str, Any] | str | None = None,
+                 stagger: bool | str = "auto", ngram: NgramProposer | None = None, query_window: int = 32,
+                 eos_ids: set[int] | None = None, model_id: str | None = None, full_kv: str = "auto",
+                 kv_budget_bytes: int | None = None, verify_buffers: int | None = None,
+                 int8_draft: bool | None = None, mode: str | None = None,
+                 verkv: Mapping[str, Any] | None = None):
+        self.config = EngineConfig(chunk_size, draft_len, max_draft_len, stagger, query_window, full_kv,
+                                   kv_budget_bytes, verify_buffers, int8_draft, model_id)
+        decoding = decoding_options(mode, verkv)
+        self.rt = Runtime(model)
+        #: Facts of the last ``generate()``: resolved mode, verify buffers, most requests at once, peak KV.
+        self.last_run: dict[str, Any] = {}
+        store_config, self.store, self._owns_store = resolve_store(store, compressor, compressor_params, decoding,
+                                                                   self.rt.num_kv_heads)
+        self.mode = store_config.mode
+        kvfetch = (dict(epsilon=store_config.epsilon, delta=store_config.delta, sketch_bits=store_config.sketch_bits)
+                   if store_config.uses_kvfetch else None)
+        self.compressor = (self.store.compressor if self.store is not None
+                           else compressors.get(store_config.compressor, **store_config.compressor_params))
+        if full_kv == "offload" and self.store is None:
+            raise ValueError("full_kv='offload' needs a store for the full KV (store='resident' has none)")
+        self.ngram = ngram
+        self.eos_ids = set(self.rt.eos_ids if eos_ids is None else eos_ids)
+        if model_id is not None:
+            store_config = StoreConfig.parse({**store_fields(store_config), "model_id": model_id},
+                                             where="VeriCacheEngine")
+        self.key_space: KeySpace = store_config.key_space(
+            model=store_config.model_id or model_fingerprint(model), dtype=self.rt.dtype, chunk_size=chunk_size)
+        draft_room = max_draft_len + 2 + (ngram.num_tokens if ngram else 0)
+        self.int8_draft = self._int8_draft(int8_draft)
+        self.prefiller = Prefiller(self.rt, self.store, self.compressor, chunk_size, query_window, draft_room,
+                                   self.key_space, self.int8_draft and kvfetch is None, kvfetch)
+        self.admission = Admission(self.rt, self.config, self.prefiller, self.key_space, self.store, self.eos_ids,
+                                   verkv=self.mode == "verkv")
+
+    def _int8_draft(self, wanted: bool | None) -> bool:
+        """Whether draft caches keep an int8 prefix as codes (attended by the int8 kernel). Auto
+        (``None``): where the compressor stores int8 codes, on CPU, and the kernel builds."""
+        if wanted is False:
+            return False
+        if not self.compressor.stores_int8_codes or self.rt.device.type != "cpu":
+            if wanted:
+                raise ValueError(f"int8_draft needs a compressor that stores int8 codes on CPU, not "
+                                 f"{self.compressor.name} on {self.rt.device.type}")
+            return False
+        if (not int8_attention.available() or self.rt.head_dim not in int8_attention.HEAD_DIMS
+                or self.rt.dtype not in int8_attention.DTYPES):
+            if wanted:
+                raise ValueError(f"int8_draft: the int8 attention kernel could not be built (see the log) or "
+                                 f"does not take head size {self.rt.head_dim} / {self.rt.dtype} (it takes "
+                                 f"{int8_attention.HEAD_DIMS} / {int8_attention.DTYPES})")
+            return False
+        return True
+
+    def chunk_keys(self, tokens: list[int]) -> list[str]:
+        """Store keys of the full chunks of ``tokens``, as every host names them."""
+        return self.key_space.token_keys(tokens)
+
+    def close(self) -> None:
+        """Close the store if the engine made it (a store passed in belongs to the caller)."""
+        if self._owns_store and self.store is not None:
+            self.store.close()
+
+    def __enter__(self) -> VeriCacheEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- public API -------------------------------------------------------------------------------
+    def generate(self, prompts: Prompts, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0, draft_len: DraftLen | None = None,
+                 stagger: bool | str | None = None, on_round: Callable[[Request], None] | None = None) -> list[Result]:
+        """Decode every prompt (token ids) with draft/verify; request i samples with seed ``seed + i``.
+        ``on_round(request)`` runs after each round's commit (observability and tests).
+
+        Sampling is reproducible for an engine in the same state: a prompt prefix served from the
+        store drafts on another schedule, which draws another sample of the same distribution."""
+        cfg = self.config
+        sampling = Sampling(temperature, top_k, top_p)
+        draft_len = cfg.draft_len if draft_len is None else draft_len
+        check_draft_len(draft_len, cfg.max_draft_len)
+        stagger = cfg.stagger if stagger is None else check_stagger(stagger)
+        batch = Batch.of(prompts, max_new_tokens, self.rt.vocab_size, sampling, seed)
+        res = self.admission.residency(batch, cfg.full_kv)
+        if stagger == "auto":
+            stagger = res.offload
+        self.last_run = dict(full_kv=res.mode, verify_buffers=res.pool.count if res.pool else 0,
+                             max_active=0, peak_kv_bytes=0)
+        # Staggered requests draft and verify on their own schedules, each with its own horizon; in
+        # lock step they share every forward, so one horizon (pooled acceptance, the batch's own
+        # draft and verify forwards) sets one L for all and nobody idles waiting for a longer round.
+        # Plain decoding (L = 0) is an option of auto only with the full KV resident: offload swaps
+        # the prefix in every round, which only drafting hides.
+        plain_ok = res.mode == "resident" and self.mode == "exact"
+        verkv = self.mode == "verkv"
+
+        def horizon() -> Horizon:
+            return Horizon(draft_len, cfg.max_draft_len, plain_ok=plain_ok)
+
+        rounds = Rounds(self.rt, self.prefiller, self.store, chunk_size=cfg.chunk_size,
+                        query_window=cfg.query_window, eos_ids=self.eos_ids, ngram=self.ngram, verkv=verkv,
+                        sampling=sampling, res=res, batch_horizon=None if stagger else horizon(), on_round=on_round)
+        reqs: list[Request] = []
+        try:
+            while True:
+                for r in self.admission.admit(batch, reqs, res):
+                    reqs.append(r)
+                    r.horizon = rounds.batch_horizon if rounds.batch_horizon is not None else horizon()
+                    if not r.done:
+                        rounds.start(r)
+                        if stagger and r.idx % 2 and r.limit > 1:
+                            r.limit //= 2  # a half-length first round puts odd requests out of phase
+                if verkv:  # no verification: a round's drafts are the output
+                    for r in reqs:
+                        if not r.done and len(r.drafts) >= r.limit:
+                            rounds.commit_unverified(r)
+                active = [r for r in reqs if not r.done]
+                if not active:
+                    break
+                self.last_run["max_active"] = max(self.last_run["max_active"], len(active))
+                self.last_run["peak_kv_bytes"] = max(self.last_run["peak_kv_bytes"], res.held_bytes(active))
+                if res.offload:  # a request without a verify cache drafts meanwhile, up to its limit
+                    rounds.lease_waiting()
+                for r in active:
+                    # A cached prompt's first round drafts only while its exact prefix is still arriving:
+                    # once it is in, verifying the tail at once gives the first token soonest.
+                    if r.start < r.pos and r.swap is not None and r.swap.done:
+                        r.limit = min(r.limit, len(r.drafts))
+                drafting = [r for r in active if len(r.drafts) < r.limit]
+                # Lock step: nobody verifies while anybody still drafts. Verifying needs a verify cache.
+                verifying = ([r for r in active if len(r.drafts) >= r.limit and r.full is not None]
+                             if (stagger or not drafting) else [])
+                rounds.step(drafting, verifying)
+        finally:
+            # Only an error leaves swaps in flight: stop them before the caller gets control back.
+            rounds.cancel(reqs)
+        return [Result(r.out, r.stats) for r in sorted(reqs, key=lambda r: r.idx)]
+
+    def reference(self, prompts: Prompts, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
+                  top_p: float = 1.0, seed: int = 0, stored_prefix: bool = False) -> list[Result]:
+        """Plain full-KV decoding in the same runtime: one token per forward. Records, per step, the
+        top-1 minus top-2 logit margin (a divergence at a near-zero margin is a floating-point tie).
+        ``stored_prefix``: the leading full chunks of a prompt that the store holds are read from it
+        instead of prefilled (the full-KV baseline of a served prefix, as LMCache's own prefix
+        caching gives it; ``stats.cached_chunks`` counts them, ``stats.prefill_s`` includes the read)."""
+        sampling = Sampling(temperature, top_k, top_p)
+        reqs = self.setup_requests(prompts, max_new_tokens, sampling, seed, draft=False, stored_prefix=stored_prefix)
+        while active := [r for r in reqs if not r.done]:
+            t0 = time.perf_counter()
+            logits, _ = self.rt.forward(torch.tensor([r.tokens[-1] for r in active]),
+                                        torch.tensor([r.pos for r in active]), [Segment(r.full, 1) for r in active])
+            dt = time.perf_counter() - t0
+            for r, row in zip(active, logits):
+                r.stats.verify_s += dt
+                r.emit([r.pick(row, sampling)], self.eos_ids)
+        return [Result(r.out, r.stats, r.margins) for r in reqs]
+
+    def setup_requests(self, prompts: Prompts, max_new: int, sampling: Sampling, seed: int, *, draft: bool,
+                       stored_prefix: bool = False) -> list[Request]:
+        """Every prompt set up at once with resident caches, no budget (reference decoding,
+        benchmarks that time steps over prefilled caches); each request's clock starts at its set-up."""
+        batch = Batch.of(prompts, max_new, self.rt.vocab_size, sampling, seed)
+        res = self.admission.residency(batch, "resident")
+        twins: dict = {}
+        reqs = []
+        for i in range(len(batch.prompts)):
+            batch.t0 = time.perf_counter()
+            reqs.append(self.admission.setup(batch, i, res, twins, draft=draft, stored_prefix=stored_prefix))
+        return reqs
