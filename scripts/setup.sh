@@ -26,6 +26,11 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$0" -nt "$stamp" ]
 fi
 # Convert the GGUF once into a Hugging Face folder cached outside the repo (checks the sha256).
 .venv/bin/python -m lmcache_vericache.models smollm2 >/dev/null
+# Compile the C++ kernels for this CPU here rather than silently inside the first run (cached
+# outside the repo by source and CPU flags: only a check when nothing changed). Not fatal: without
+# a compiler every kernel has a PyTorch fallback.
+.venv/bin/vericache build-kernels \
+  || echo "setup: a C++ kernel did not build (above); runs take the slower PyTorch path" >&2
 
 if [ "${1:-}" = "--test" ] && ! command -v redis-server >/dev/null && ! command -v valkey-server >/dev/null; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo

@@ -1,5 +1,5 @@
 """Shared fixtures: the real model (loaded once per session), the tiny random Llama, and real
-Redis / Redis Cluster / LMCache ``lm://`` servers (``lmcache_vericache.testing.servers``)."""
+Redis / Redis Cluster / LMCache ``lm://`` servers (``lmcache_vericache.testing.fixtures``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from lmcache_vericache.testing.servers import (  # noqa: F401
+from lmcache_vericache.testing.fixtures import (  # noqa: F401
     lm_server,
     redis_cluster,
     redis_server,

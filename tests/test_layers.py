@@ -121,3 +121,44 @@ def test_no_import_cycles():
     # report cycles between distinct modules that do not pass through a parent package.
     real = [c for c in cycles if not any(b.startswith(a + ".") or a.startswith(b + ".") for a, b in zip(c, c[1:]))]
     assert real == []
+
+
+# Names a module may bind at import time to something it then mutates: containers and the objects
+# of threads and pools. A module of `connectors/` holding one is a registry shared by every vLLM
+# engine in the process (the WorkerContext holds what the connector and the proposer share).
+_MUTABLE_FACTORIES = {"dict", "list", "set", "defaultdict", "OrderedDict", "deque", "Counter", "Lock", "RLock",
+                      "Event", "Condition", "Semaphore", "Queue", "ThreadPoolExecutor", "WeakKeyDictionary",
+                      "WeakValueDictionary", "local"}
+
+
+def _module_level_mutables(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    found = [f"{path.name}:{n.lineno} global {', '.join(n.names)}" for n in ast.walk(tree) if isinstance(n, ast.Global)]
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names = [ast.unparse(t) for t in targets]
+            value = node.value
+            call = ast.unparse(value.func).rsplit(".", 1)[-1] if isinstance(value, ast.Call) else None
+            mutable = isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp))
+            if (mutable or call in _MUTABLE_FACTORIES) and names != ["__all__"]:
+                found.append(f"{path.name}:{node.lineno} {', '.join(names)} = {ast.unparse(value)[:40]}")
+    return found
+
+
+def test_connectors_hold_no_module_level_mutable_state():
+    bad = [m for p in sorted((ROOT / "connectors").rglob("*.py")) for m in _module_level_mutables(p)]
+    assert bad == []
+
+
+def test_the_mutable_state_check_sees_a_registry(tmp_path):
+    p = tmp_path / "reg.py"
+    p.write_text("import threading\n_STORES: dict[str, int] = {}\n_LOCK = threading.Lock()\nN = 3\n"
+                 "def f():\n    global N\n    N = 4\n")
+    assert [m.split()[0] for m in _module_level_mutables(p)] == ["reg.py:6", "reg.py:2", "reg.py:3"]
+
+
+def test_only_the_test_fixtures_import_pytest():
+    # The library's `testing` helpers are used from scripts and benchmarks without the dev extra.
+    importers = {m for m, names in GRAPH.items() if "pytest" in {n.split(".")[0] for n in names}}
+    assert importers == {f"{PKG}.testing.fixtures"}

@@ -9,6 +9,7 @@ import sys
 
 # subcommand -> module (relative to this package)
 SUBCOMMANDS = {
+    "build-kernels": ".build_kernels",
     "compressors": ".compressors",
     "generate": ".generate",
     "lmcache-config": ".lmcache_config",

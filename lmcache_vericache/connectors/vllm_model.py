@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from ..engine.cache import KVCache
-from ..engine.model import DecoderModel, check_full_attention, eos_ids
+from ..engine.model import DecoderModel
 from ..engine.runtime import Runtime, Segment
 
 Tensor = torch.Tensor
@@ -24,20 +24,14 @@ class VllmModel(DecoderModel):
     """:class:`DecoderModel` over vLLM's ``LlamaForCausalLM`` (and Qwen2/Qwen3/Mistral, same layout)."""
 
     def __init__(self, model: torch.nn.Module):
-        cfg = model.config
-        check_full_attention(cfg)
+        self._bind(model)
         self.vllm = model
-        self.body = model.model
-        self.layers = list(self.body.layers)
         attn = self.layers[0].self_attn
-        self.num_layers = len(self.layers)
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.scale = attn.scaling
         self._split = [attn.q_size, attn.kv_size, attn.kv_size]
         weight = next(self.body.embed_tokens.parameters())  # linear weights may be freed (oneDNN)
         self.dtype, self.device = weight.dtype, weight.device
-        self.vocab_size = cfg.vocab_size
-        self.eos_ids = eos_ids(cfg)
         rope = attn.rotary_emb
         # vLLM's cache row is [cos half | sin half]; neox style over the full head is HF's rotate_half.
         if not getattr(rope, "is_neox_style", True) or rope.cos_sin_cache.shape[-1] != self.head_dim:

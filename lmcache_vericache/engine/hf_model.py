@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .linear import apply
-from .model import DecoderModel, check_full_attention, eos_ids
+from .model import DecoderModel
 
 Tensor = torch.Tensor
 
@@ -16,24 +16,18 @@ class HfModel(DecoderModel):
     """:class:`DecoderModel` over ``model.model.layers[i].self_attn.{q,k,v,o}_proj`` and friends."""
 
     def __init__(self, model: torch.nn.Module):
-        cfg = model.config
-        check_full_attention(cfg)
+        cfg = self._bind(model)
         self.hf = model
-        self.body = model.model
-        self.layers = list(self.body.layers)
         # the gated MLP of every Llama-family model, down(act(gate(x)) * up(x)), computed here with
         # engine/linear.py's layers; any other MLP is called as it is (decided once, not per step)
         self._gated_mlp = [all(hasattr(layer.mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn"))
                            for layer in self.layers]
-        self.num_layers = len(self.layers)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scale = self.layers[0].self_attn.scaling
         weight = next(model.parameters())
         self.dtype, self.device = weight.dtype, weight.device
-        self.vocab_size = cfg.vocab_size
-        self.eos_ids = eos_ids(cfg)
         self._probe = torch.empty(0, dtype=self.dtype, device=self.device)  # HF rotary reads dtype/device off x
 
     def embed(self, tokens: Tensor) -> Tensor:

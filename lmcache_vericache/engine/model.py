@@ -32,6 +32,19 @@ class DecoderModel(ABC):
     vocab_size: int
     eos_ids: set[int]
 
+    def _bind(self, model: torch.nn.Module) -> Any:
+        """What every adapter reads the same way from a ``*ForCausalLM``: full attention checked,
+        ``body`` (the decoder stack), ``layers``, ``num_layers``, ``vocab_size``, ``eos_ids``.
+        Returns the model's config."""
+        cfg = model.config
+        check_full_attention(cfg)
+        self.body = model.model
+        self.layers = list(self.body.layers)
+        self.num_layers = len(self.layers)
+        self.vocab_size = cfg.vocab_size
+        self.eos_ids = eos_ids(cfg)
+        return cfg
+
     @abstractmethod
     def embed(self, tokens: Tensor) -> Tensor: ...
 

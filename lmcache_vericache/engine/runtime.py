@@ -14,10 +14,10 @@ an HF ``*ForCausalLM`` or vLLM's module); this loop owns everything about the KV
 * attention needs no materialized mask: a 1-token step attends to the whole cache; a block of n
   tokens attends to the cache before it and causally to itself. On a CPU both run in one pass of
   the package's C++ kernel (``kernels/dense_attention.cpp``, ``causal=n`` for a block: each K/V
-  row read once for all rows of its KV head), 2-5x PyTorch's flash kernel at 8k entries
-  of DRAM-resident KV (the flash kernel splits a decode step's 3 rows per KV head over too few
-  work items); full-KV decoding, the baseline of every benchmark, uses it too. Elsewhere the
-  block's part before it (flash) and its causal n x n part are merged by log-sum-exp.
+  row read once for all rows of its KV head), not PyTorch's flash kernel (it splits a decode
+  step's few rows per KV head over too few work items); full-KV decoding, the baseline of every
+  benchmark, uses it too. Elsewhere the block's part before it (flash) and its causal n x n part
+  are merged by log-sum-exp.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ def _flash_lse(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, T
 
 def _dense_kernel(q: Tensor, k: Tensor):
     """The dense kernel's module where it applies to rows ``q`` over ``k`` (CPU, bf16/fp32, head
-    size 64/128, 1-128 rows per KV head; 2-5x the flash kernel on DRAM-resident KV,
-    ``benchmarks/attention.py``), else ``None``."""
+    size 64/128, 1-128 rows per KV head; ``benchmarks/attention.py`` compares it with the flash
+    kernel), else ``None``."""
     if (q.device.type == "cpu" and 1 <= q.shape[1] <= 128 and k.dtype in (torch.bfloat16, torch.float32)
             and k.shape[-1] in (64, 128) and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1]):
         return kernels.build("dense_attention")
@@ -157,8 +157,8 @@ class Runtime:
         self.head_dim, self.scale, self.dtype, self.device = m.head_dim, m.scale, m.dtype, m.device
         self.vocab_size, self.eos_ids = m.vocab_size, m.eos_ids
         if self.device.type == "cpu":
-            # built (a minute) or loaded (seconds) now, once per process, not inside a timed round or
-            # a vLLM step
+            # Built or loaded now, once per process, so that neither lands inside a timed round or
+            # a vLLM step (a first build says so on stderr: kernels.build).
             kernels.build("dense_attention")
             if isinstance(self.model, HfModel):  # its nn.Linear layers run through engine/linear.py
                 kernels.build("linear")

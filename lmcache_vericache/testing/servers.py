@@ -1,15 +1,15 @@
-"""Real cache servers for tests and benchmarks, started on 127.0.0.1 on a free port and stopped by PID:
+"""Real cache servers for tests, benchmarks and scripts, started on 127.0.0.1 on a free port and
+stopped by PID:
 
-* ``redis-server``/``valkey-server`` with no persistence (``--save "" --appendonly no``); skipped,
-  with the reason, when neither binary is installed (CI installs ``redis-server`` from apt);
+* ``redis-server``/``valkey-server`` with no persistence (``--save "" --appendonly no``);
+  :func:`redis_binary` raises :class:`ServerUnavailable`, with the reason, when neither binary is
+  installed (CI installs ``redis-server`` from apt);
 * a Redis/Valkey Cluster of such servers, 3 masters + 3 replicas (:class:`RedisClusterProcesses`);
 * LMCache's own server (``python -m lmcache.v1.server 127.0.0.1 PORT cpu``);
 * LMCache's MP ``lmcache server`` with this package's L2 adapter (:class:`LMCacheServer`).
 
-The pytest fixtures (``redis_server``, ``redis_server_factory``, ``redis_cluster``,
-``shared_redis_cluster``, ``lm_server``) are re-exported by
-the top-level ``tests/conftest.py``; benchmarks use the classes directly. Imports ``pytest``: needs
-the ``dev`` extra.
+No pytest here: the pytest fixtures that start these servers (and skip a test where one cannot
+run) are in :mod:`.fixtures`.
 """
 
 from __future__ import annotations
@@ -24,13 +24,15 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
 from pathlib import Path
-
-import pytest
 
 BINARIES = ("redis-server", "valkey-server")
 CLIS = {"redis-server": "redis-cli", "valkey-server": "valkey-cli"}
+
+
+class ServerUnavailable(RuntimeError):
+    """A server this host cannot start (its binary is not installed); the message says what is
+    missing. The test fixtures turn it into a skip."""
 
 
 def server_binary() -> str | None:
@@ -129,35 +131,13 @@ class LMServer(ServerProcess):
         super().__init__([sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"], port, timeout=120)
 
 
-def _redis_binary_or_skip() -> str:
+def redis_binary() -> str:
+    """:func:`server_binary`, or :class:`ServerUnavailable` where neither binary is on PATH."""
     binary = server_binary()
     if binary is None:
-        pytest.skip(f"no Redis/Valkey server binary ({' or '.join(BINARIES)}) on PATH; apt-get install redis-server")
+        raise ServerUnavailable(
+            f"no Redis/Valkey server binary ({' or '.join(BINARIES)}) on PATH; apt-get install redis-server")
     return binary
-
-
-@pytest.fixture
-def redis_server_factory() -> Iterator[Callable[..., RedisServer]]:
-    """Start as many servers as a test needs (``start(port=None)``; a given port restarts a
-    killed server in place); all are stopped at teardown."""
-    binary = _redis_binary_or_skip()
-    started: list[RedisServer] = []
-
-    def start(port: int | None = None) -> RedisServer:
-        started.append(RedisServer(binary, port))
-        return started[-1]
-
-    yield start
-    for server in started:
-        server.stop()
-
-
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisServer]:
-    """One server shared by the tests of a module (tests use distinct key prefixes)."""
-    server = RedisServer(_redis_binary_or_skip())
-    yield server
-    server.stop()
 
 
 def _cluster_ports(n: int) -> list[int]:
@@ -400,38 +380,14 @@ class RedisClusterProcesses:
                 self.client(port).config_set("cluster-replica-no-failover", "yes" if hold else "no")
 
 
-def _cluster_binaries_or_skip() -> tuple[str, str]:
-    binary = _redis_binary_or_skip()
+def cluster_binaries() -> tuple[str, str]:
+    """The server binary and its ``*-cli`` (which creates the cluster), the arguments of
+    :class:`RedisClusterProcesses`; :class:`ServerUnavailable` where either is missing."""
+    binary = redis_binary()
     cli = shutil.which(CLIS[Path(binary).name])
     if cli is None:
-        pytest.skip(f"{CLIS[Path(binary).name]} not on PATH (needed to create a Redis Cluster)")
+        raise ServerUnavailable(f"{CLIS[Path(binary).name]} not on PATH (needed to create a Redis Cluster)")
     return binary, cli
-
-
-@pytest.fixture
-def redis_cluster() -> Iterator[RedisClusterProcesses]:
-    """A fresh local cluster, 3 masters + 3 replicas, for one test (it may kill and restart nodes);
-    all processes are stopped at teardown."""
-    cluster = RedisClusterProcesses(*_cluster_binaries_or_skip())
-    yield cluster
-    cluster.stop()
-
-
-@pytest.fixture(scope="module")
-def shared_redis_cluster() -> Iterator[RedisClusterProcesses]:
-    """One cluster shared by the tests of a module that leave its nodes alone (tests use distinct
-    key prefixes)."""
-    cluster = RedisClusterProcesses(*_cluster_binaries_or_skip())
-    yield cluster
-    cluster.stop()
-
-
-@pytest.fixture(scope="module")
-def lm_server() -> Iterator[LMServer]:
-    """One LMCache server shared by the tests of a module (tests use distinct namespaces)."""
-    server = LMServer()
-    yield server
-    server.stop()
 
 
 # -- LMCache's MP ``lmcache server`` with this package's L2 adapter ---------------------------------
