@@ -17,8 +17,9 @@ SUBCOMMANDS = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def build_parser() -> tuple[argparse.ArgumentParser, dict]:
+    """The ``vericache`` parser and its subcommand modules by name (``tests/test_docs.py`` parses the
+    docs' command lines with it)."""
     parser = argparse.ArgumentParser(prog="vericache", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     modules = {}
@@ -27,6 +28,12 @@ def main(argv: list[str] | None = None) -> int:
         # they import heavy dependencies inside run(), not at module level.
         modules[name] = importlib.import_module(mod, __name__)
         modules[name].add_parser(sub)
+    return parser, modules
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser, modules = build_parser()
     args = parser.parse_args(argv)
     return int(modules[args.command].run(args) or 0)
 
