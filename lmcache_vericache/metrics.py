@@ -1,4 +1,4 @@
-"""Prometheus metrics of the store, the engine and the LMCache adapters (README.md#metrics).
+"""Prometheus metrics of the store, the engine and the LMCache adapters (docs/operations.md#metrics).
 
 Every metric lives in :data:`registry`, this package's own ``CollectorRegistry`` (not the
 process-global default one), so several stores or engines in one process share each metric and

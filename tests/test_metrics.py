@@ -1,4 +1,4 @@
-"""Prometheus metrics (README.md#metrics) read from the package registry equal the stats they
+"""Prometheus metrics (docs/operations.md#metrics) read from the package registry equal the stats they
 mirror: a real store on a real disk tier, the engine on the tiny model, the LMCache adapters. The
 registry is process-wide, so every check compares deltas (after minus before)."""
 
@@ -199,8 +199,8 @@ def test_serve_answers_http_with_the_documented_names():
                  "vericache_engine_emitted_tokens_total", "vericache_l2_lookup_hits_total",
                  "vericache_lmcache_put_dropped_total"):
         assert f"# TYPE {name} " in text and f"# HELP {name} " in metrics.render()
-    # every metric has help text and is in README's table, and the table names no other
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    # every metric has help text and is in docs/operations.md's table, and the table names no other
+    readme = (Path(__file__).parents[1] / "docs" / "operations.md").read_text()
     documented = set(re.findall(r"^\| `(vericache_\w+)`", readme, re.M))
     for prefix, alts in re.findall(r"^\| `(vericache_\w+_)\{([\w,]+)\}_total`", readme, re.M):
         documented |= {f"{prefix}{a}_total" for a in alts.split(",")}

@@ -8,7 +8,7 @@ standard library). Prints one JSON object with ``--json``.
 ``StoreConfig``), e.g. a Redis server shared by several runs: a run whose prompt
 starts with chunks another run stored skips their prefill (``cached_chunks`` in the output).
 
-``--metrics-port`` serves the Prometheus metrics (README.md#metrics) on ``/metrics`` while the run
+``--metrics-port`` serves the Prometheus metrics (docs/operations.md#metrics) on ``/metrics`` while the run
 lasts and prints their final values to stderr at its end.
 """
 

@@ -68,7 +68,7 @@ class ConnectorOptions:
     load: bool = True  # serve stored prefixes to vLLM
     # Drafts made over the compressed prefix while the full one loads (needs the proposer). Off by
     # default: on a CPU host the load itself needs the cores (receiving, verifying and writing the
-    # chunks) and drafting beside it cost more than it saved (benchmarks/remote_prefix.py, README).
+    # chunks) and drafting beside it cost more than it saved (benchmarks/remote_prefix.py, docs/benchmarks.md).
     draft_tokens: int = 0
     load_timeout_s: float = 120.0  # a full chunk not read within this is a failed load (a hung store)
 
