@@ -320,3 +320,9 @@ def test_checks_catch_stale_commands():
         check_json_config({"vericache_proposer": {"chunk_sise": 1}})
     assert shell_commands("A=1 vericache serve \\\n  --port 1 -- --x | cat", False) == [
         ["A=1", "vericache", "serve", "--port", "1", "--", "--x"], ["cat"]]
+
+
+def test_not_checked_marker_is_read_with_its_reason(tmp_path):
+    doc = tmp_path / "doc.md"
+    doc.write_text("text\n\n<!-- not-checked: needs a GPU -->\n```bash\nvericache serve\n```\n\n```json\n{}\n```\n")
+    assert [(lang, why) for _, lang, _, why in blocks(doc)] == [("bash", "needs a GPU"), ("json", None)]
