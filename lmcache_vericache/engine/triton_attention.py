@@ -84,12 +84,13 @@ def _side_args(side: Side, bufs: dict[str, Tensor], device: torch.device) -> tup
 
 
 def attention(q: Tensor, pool: ChunkPool, table: Tensor, lengths: Tensor, scale: float, *,
-              tile: int = 16, check: bool = True) -> tuple[Tensor, Tensor]:
+              tile: int = 16, splits: int = 1, check: bool = True) -> tuple[Tensor, Tensor]:
     """Attention of query rows ``q [B, H, M, D]`` (the rows of KV head ``h``: GQA members x block
     tokens) over request ``b``'s first ``lengths[b]`` prefix tokens, held in chunk slots
     ``table[b, :]`` (int32 ``[B, max_chunks]``; token ``t`` in slot ``table[b, t // fmt.tokens]``).
     Returns ``(out [B, H, M, D] float32, lse [B, H, M] float32)``, natural log; a request with
-    no prefix gets zeros and ``-inf``. ``check`` validates the table against the pool (a host
+    no prefix gets zeros and ``-inf``. ``splits`` > 1 divides each request's tokens over that many
+    programs (for batches too small to fill the GPU), merged here by log-sum-exp. ``check`` validates the table against the pool (a host
     sync; pass False on a hot path whose table the caller built)."""
     fmt = pool.fmt
     if q.dim() != 4 or q.shape[1] != fmt.heads or q.shape[3] != fmt.head_dim:
@@ -101,6 +102,8 @@ def attention(q: Tensor, pool: ChunkPool, table: Tensor, lengths: Tensor, scale:
         raise ValueError(f"head_dim must be a power of 2 >= 16 for the Triton kernels, got {d}")
     if tile < 16 or tile & (tile - 1):
         raise ValueError(f"tile must be a power of 2 >= 16, got {tile}")
+    if not isinstance(splits, int) or splits < 1:
+        raise ValueError(f"splits must be an int >= 1, got {splits!r}")
     b, h, m, _ = q.shape
     if table.dtype != torch.int32 or table.dim() != 2 or table.shape[0] != b:
         raise ValueError(f"table must be int32 [{b}, max_chunks], got {table.dtype} {tuple(table.shape)}")
@@ -117,15 +120,23 @@ def attention(q: Tensor, pool: ChunkPool, table: Tensor, lengths: Tensor, scale:
     if fmt.k.rotation is not None:
         q = (q.float() @ fmt.k.rotation.to(q.device).T).to(q.dtype)
     q = q.contiguous()
-    out = torch.empty(b, h, m, d, dtype=torch.float32, device=q.device)
-    lse = torch.empty(b, h, m, dtype=torch.float32, device=q.device)
+    out = torch.empty(splits, b, h, m, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(splits, b, h, m, dtype=torch.float32, device=q.device)
     block_m = min(64, max(16, 1 << (m - 1).bit_length()))
     (kp, kc), (vp, vc) = _side_args(fmt.k, pool.k, q.device), _side_args(fmt.v, pool.v, q.device)
-    grid = (b, h, -(-m // block_m))
+    # Tokens per split: whole tiles, so splits never share one.
+    split_tokens = -(-table.shape[1] * fmt.tokens // (splits * tile)) * tile
+    grid = (b, h, -(-m // block_m) * splits)
     triton_kernels.decode_attention[grid](
-        q, out, lse, table, lengths, table.stride(0), m, scale, *kp, *vp,
-        H=h, T=fmt.tokens, D=d, BLOCK_M=block_m, TILE=tile,
+        q, out, lse, table, lengths, table.stride(0), m, scale, split_tokens, *kp, *vp,
+        H=h, T=fmt.tokens, D=d, BLOCK_M=block_m, TILE=tile, SPLITS=splits,
         **{f"K_{k}": v for k, v in kc.items()}, **{f"V_{k}": v for k, v in vc.items()})
+    if splits == 1:
+        out, lse = out[0], lse[0]
+    else:
+        total = lse.logsumexp(0)
+        w = (lse - total).exp().nan_to_num(0.0)  # an empty split (or prefix) has weight 0
+        out, lse = (out * w[..., None]).sum(0), total
     if fmt.v.rotation is not None:
         out = out @ fmt.v.rotation.to(q.device)
     return out, lse

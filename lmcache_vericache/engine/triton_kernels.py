@@ -53,29 +53,34 @@ def _dequant_tile(codes, scale, zero, lut, res, slot, h, t_in, t_mask, dims, DT:
 
 
 @triton.jit
-def decode_attention(q, out, lse, table, lengths, table_stride, M, sm_scale,
+def decode_attention(q, out, lse, table, lengths, table_stride, M, sm_scale, split_tokens,
                      kc, ks, kz, klut, kr, vc, vs, vz, vlut, vr,
                      H: tl.constexpr, T: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
                      K_NQ: tl.constexpr, K_BITS: tl.constexpr, K_TG: tl.constexpr, K_CG: tl.constexpr,
                      K_ZERO: tl.constexpr, K_LUT: tl.constexpr, K_RES: tl.constexpr,
                      V_NQ: tl.constexpr, V_BITS: tl.constexpr, V_TG: tl.constexpr, V_CG: tl.constexpr,
-                     V_ZERO: tl.constexpr, V_LUT: tl.constexpr, V_RES: tl.constexpr):
+                     V_ZERO: tl.constexpr, V_LUT: tl.constexpr, V_RES: tl.constexpr, SPLITS: tl.constexpr):
     """q ``[B, H, M, D]`` (rows of one KV head: GQA members x block tokens) over each request's
     first ``lengths[b]`` tokens of the chunks ``table[b]``; out ``[B, H, M, D]`` fp32 and lse
-    ``[B, H, M]`` (natural log; -inf and zeros for an empty prefix)."""
+    ``[B, H, M]`` (natural log; -inf and zeros for an empty prefix). With ``SPLITS`` > 1, split ``s``
+    of the grid's third axis takes tokens ``[s * split_tokens, (s + 1) * split_tokens)`` and writes
+    out ``[SPLITS, B, H, M, D]`` and lse ``[SPLITS, B, H, M]``, merged by the caller."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     DT = q.dtype.element_ty
-    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    split = tl.program_id(2) % SPLITS
+    rows = tl.program_id(2) // SPLITS * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < M
     dims = tl.arange(0, D)
     base = ((b * H + h) * M + rows[:, None]).to(tl.int64) * D + dims[None, :]
     qt = tl.load(q + base, mask=rmask[:, None], other=0.0)
     n = tl.load(lengths + b)
+    lo = split * split_tokens
+    n = tl.minimum(n, lo + split_tokens)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for start in range(0, n, TILE):
+    for start in range(lo, n, TILE):
         t = start + tl.arange(0, TILE)
         t_mask = t < n
         slot = tl.load(table + b.to(tl.int64) * table_stride + t // T, mask=t_mask, other=0)
@@ -93,5 +98,7 @@ def decode_attention(q, out, lse, table, lengths, table_stride, M, sm_scale,
         acc = acc * alpha[:, None] + tl.dot(p.to(DT), v)
         m_i = m_new
     empty = l_i == 0.0
+    part = (split * tl.num_programs(0) + b).to(tl.int64) * H + h  # (split, request, head)
+    base = (part * M + rows[:, None]) * D + dims[None, :]
     tl.store(out + base, acc / tl.where(empty, 1.0, l_i)[:, None], mask=rmask[:, None])
-    tl.store(lse + (b * H + h) * M + rows, tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i))), mask=rmask)
+    tl.store(lse + part * M + rows, tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i))), mask=rmask)

@@ -28,17 +28,18 @@ from lmcache_vericache.engine.paged_int8 import PagedInt8
 
 ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
-# (method, params, heads, GQA group, head_dim, chunk tokens, rows per member): lengths below are
-# not multiples of the 16-token tile nor of the chunk, and one request has no prefix.
+# (method, params, heads, GQA group, head_dim, chunk tokens, rows per member, splits): lengths
+# below are not multiples of the 16-token tile nor of the chunk, and one request has no prefix.
 SHAPES = {
-    "int8-d64-g3": ("int8", {}, 2, 3, 64, 40, 1),
-    "int8-d128-g1-block": ("int8", {}, 1, 1, 128, 40, 4),
-    "int4-d64-g3": ("int4", {}, 2, 3, 64, 40, 1),
-    "int4-d128-g1-gs64": ("int4", {"group_size": 64}, 1, 1, 128, 40, 2),
-    "kivi2-d64-g3-residual": ("kivi", {"bits": 2, "group_size": 16, "residual": 8}, 2, 3, 64, 40, 1),
-    "kivi4-d128-g1": ("kivi", {"bits": 4, "group_size": 16, "residual": 0}, 1, 1, 128, 48, 1),
-    "turboquant3-d64-g3": ("turboquant", {"bits": 3}, 2, 3, 64, 40, 1),
-    "turboquant-k4v2-d128-g1": ("turboquant", {"k_bits": 4, "v_bits": 2}, 1, 1, 128, 40, 1),
+    "int8-d64-g3": ("int8", {}, 2, 3, 64, 40, 1, 1),
+    "int8-d128-g1-block": ("int8", {}, 1, 1, 128, 40, 4, 1),
+    "int4-d64-g3": ("int4", {}, 2, 3, 64, 40, 1, 1),
+    "int4-d64-g3-split3": ("int4", {}, 2, 3, 64, 40, 1, 3),
+    "int4-d128-g1-gs64": ("int4", {"group_size": 64}, 1, 1, 128, 40, 2, 1),
+    "kivi2-d64-g3-residual": ("kivi", {"bits": 2, "group_size": 16, "residual": 8}, 2, 3, 64, 40, 1, 1),
+    "kivi4-d128-g1": ("kivi", {"bits": 4, "group_size": 16, "residual": 0}, 1, 1, 128, 48, 1, 1),
+    "turboquant3-d64-g3": ("turboquant", {"bits": 3}, 2, 3, 64, 40, 1, 1),
+    "turboquant-k4v2-d128-g1": ("turboquant", {"k_bits": 4, "v_bits": 2}, 1, 1, 128, 40, 1, 1),
 }
 TABLE = [[0, 1, 2], [3, 0, 0], [2, 3, 1]]
 LENGTHS = [100, 19, 0]  # tokens of each request's prefix (3 chunks of 40 or 48 at most)
@@ -54,7 +55,7 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
 
 
 def _setup(shape: str, dtype: torch.dtype, seed: int = 0):
-    method, params, h, g, d, t, rows = SHAPES[shape]
+    method, params, h, g, d, t, rows, _ = SHAPES[shape]
     torch.manual_seed(seed)
     comp = compressors.get(method, **params)
     chunks = [comp.compress(torch.randn(2, 1, t, h * d).to(dtype), h) for _ in range(4)]
@@ -79,7 +80,7 @@ def run_kernels() -> dict:
         d = fmt.head_dim
         pool = ta.ChunkPool.of(fmt, [fmt.buffers(c, 0) for c in chunks])
         out, lse = ta.attention(q, pool, torch.tensor(TABLE, dtype=torch.int32),
-                                torch.tensor(LENGTHS, dtype=torch.int32), d ** -0.5)
+                                torch.tensor(LENGTHS, dtype=torch.int32), d ** -0.5, splits=SHAPES[shape][-1])
         err_o = err_l = 0.0
         for b in range(len(TABLE)):
             if LENGTHS[b] == 0:
