@@ -83,6 +83,26 @@ def _side_args(side: Side, bufs: dict[str, Tensor], device: torch.device) -> tup
     return ptrs, const
 
 
+def launch(q: Tensor, pool: ChunkPool, table: Tensor, lengths: Tensor, scale: float, tile: int, splits: int
+           ) -> tuple[tuple[int, int, int], list, dict]:
+    """Grid, arguments (out and lse allocated: ``[splits, ...]``) and constexprs of one
+    ``decode_attention`` launch over validated inputs, q already rotated (the AOT compile test
+    builds the kernel's signature from them)."""
+    fmt = pool.fmt
+    b, h, m, d = q.shape
+    out = torch.empty(splits, b, h, m, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(splits, b, h, m, dtype=torch.float32, device=q.device)
+    block_m = min(64, max(16, 1 << (m - 1).bit_length()))
+    (kp, kc), (vp, vc) = _side_args(fmt.k, pool.k, q.device), _side_args(fmt.v, pool.v, q.device)
+    # Tokens per split: whole tiles, so splits never share one.
+    split_tokens = -(-table.shape[1] * fmt.tokens // (splits * tile)) * tile
+    grid = (b, h, -(-m // block_m) * splits)
+    args = [q, out, lse, table, lengths, table.stride(0), m, float(scale), split_tokens, *kp, *vp]
+    const = dict(H=h, T=fmt.tokens, D=d, BLOCK_M=block_m, TILE=tile, SPLITS=splits,
+                 **{f"K_{k}": v for k, v in kc.items()}, **{f"V_{k}": v for k, v in vc.items()})
+    return grid, args, const
+
+
 def attention(q: Tensor, pool: ChunkPool, table: Tensor, lengths: Tensor, scale: float, *,
               tile: int = 16, splits: int = 1, check: bool = True) -> tuple[Tensor, Tensor]:
     """Attention of query rows ``q [B, H, M, D]`` (the rows of KV head ``h``: GQA members x block
@@ -119,18 +139,9 @@ def attention(q: Tensor, pool: ChunkPool, table: Tensor, lengths: Tensor, scale:
 
     if fmt.k.rotation is not None:
         q = (q.float() @ fmt.k.rotation.to(q.device).T).to(q.dtype)
-    q = q.contiguous()
-    out = torch.empty(splits, b, h, m, d, dtype=torch.float32, device=q.device)
-    lse = torch.empty(splits, b, h, m, dtype=torch.float32, device=q.device)
-    block_m = min(64, max(16, 1 << (m - 1).bit_length()))
-    (kp, kc), (vp, vc) = _side_args(fmt.k, pool.k, q.device), _side_args(fmt.v, pool.v, q.device)
-    # Tokens per split: whole tiles, so splits never share one.
-    split_tokens = -(-table.shape[1] * fmt.tokens // (splits * tile)) * tile
-    grid = (b, h, -(-m // block_m) * splits)
-    triton_kernels.decode_attention[grid](
-        q, out, lse, table, lengths, table.stride(0), m, scale, split_tokens, *kp, *vp,
-        H=h, T=fmt.tokens, D=d, BLOCK_M=block_m, TILE=tile, SPLITS=splits,
-        **{f"K_{k}": v for k, v in kc.items()}, **{f"V_{k}": v for k, v in vc.items()})
+    grid, args, const = launch(q.contiguous(), pool, table, lengths, scale, tile, splits)
+    triton_kernels.decode_attention[grid](*args, **const)
+    out, lse = args[1], args[2]
     if splits == 1:
         out, lse = out[0], lse[0]
     else:

