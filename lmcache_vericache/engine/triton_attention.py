@@ -60,6 +60,12 @@ class ChunkPool:
         sides = []
         for side in (fmt.k, fmt.v):
             names = dict(zip(_PARTS, (side.codes, side.scale, side.zero, side.residual)))
+            want = _sizes(fmt, side)
+            for i, c in enumerate(chunks):
+                for part, name in names.items():
+                    if name is not None and (c[name].numel(), c[name].dtype) != want[part]:
+                        raise ValueError(f"chunk {i}: buffer {name!r} is {c[name].numel()} x {c[name].dtype}, "
+                                         f"the {fmt.method} format of {fmt.tokens}-token chunks has {want[part]}")
             sides.append({part: torch.stack([c[name].reshape(-1) for c in chunks]).to(device)
                           for part, name in names.items() if name is not None})
         return cls(fmt, *sides)
@@ -71,6 +77,14 @@ class ChunkPool:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for side in (self.k, self.v) for t in side.values())
+
+
+def _sizes(fmt: KVFormat, side: Side) -> dict[str, tuple[int, torch.dtype]]:
+    """Elements and dtype of each of one chunk's buffers of ``side`` (what the kernel indexes)."""
+    h, d = fmt.heads, fmt.head_dim
+    stats = (h * side.scale_rows() * (d // side.channel_group), torch.float16)
+    return {"codes": (side.code_bytes(h, d), torch.int8 if side.signed else torch.uint8), "scale": stats,
+            "zero": stats, "residual": (h * (fmt.tokens - side.n_q) * d, fmt.dtype)}
 
 
 def _side_args(side: Side, bufs: dict[str, Tensor], device: torch.device) -> tuple[list, dict]:

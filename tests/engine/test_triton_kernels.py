@@ -235,7 +235,7 @@ def test_kernel_compiles_for_sm90_without_a_gpu():
     assert len(cubins) == 8 and all(size > 0 for size in cubins.values()), cubins
 
 
-def test_bad_tables_are_refused_before_any_kernel_runs():
+def test_bad_pools_and_tables_are_refused_before_any_kernel_runs():
     _, chunks, fmt, _, q = _setup("int8-d64-g3", torch.float32)
     pool = ta.ChunkPool.of(fmt, [fmt.buffers(c, 0) for c in chunks])
     lengths = torch.tensor(LENGTHS, dtype=torch.int32)
@@ -245,6 +245,9 @@ def test_bad_tables_are_refused_before_any_kernel_runs():
         ta.attention(q, pool, torch.zeros(3, 2, dtype=torch.int32), lengths, 0.1)
     with pytest.raises(ValueError, match="table must be int32"):
         ta.attention(q, pool, torch.zeros(3, 3, dtype=torch.int64), lengths, 0.1)
+    other = compressors.get("int8").compress(torch.randn(2, 1, 24, 2 * 64), 2)  # 24-token chunk
+    with pytest.raises(ValueError, match="chunk 1: buffer 'kq'"):
+        ta.ChunkPool.of(fmt, [fmt.buffers(chunks[0], 0), fmt.buffers(other, 0)])
     with pytest.raises(ValueError, match="q must be"):
         ta.attention(q[:, :1], pool, torch.zeros(3, 3, dtype=torch.int32), lengths, 0.1)
 
