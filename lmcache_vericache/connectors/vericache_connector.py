@@ -52,6 +52,7 @@ from ..backends import StoreConfig
 from ..backends.keys import KeySpace, folder_fingerprint
 from ..options import parse_options
 from .paged_transfer import ConnectorStats, LoadSpec, PagedTransfer, SaveSpec
+from .vllm_stats import IntervalCounter, VeriCacheConnectorPromMetrics, VeriCacheConnectorStats, snapshot
 from .worker_context import ChunkSource, WorkerContext
 
 logger = logging.getLogger("vllm." + __name__)  # shown by vLLM's log handler
@@ -146,6 +147,7 @@ class VeriCacheConnector(KVConnectorBase_V1):
         self.store = self.context.store_for(self.config)
         self.stats = ConnectorStats()
         self.context.connectors["scheduler" if role == KVConnectorRole.SCHEDULER else "worker"] = self
+        self._interval = IntervalCounter()  # deltas for vLLM's stats pipeline (get_kv_connector_stats)
         # scheduler state, per request id
         self._hits: dict[str, int] = {}  # hit end found by the last lookup
         self._pending: dict[str, LoadSpec] = {}
@@ -309,3 +311,19 @@ class VeriCacheConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.transfer is not None:
             self.transfer.close()
+
+    # == vLLM's stats pipeline: its log line and /metrics (connectors/vllm_stats.py) ====================
+    def get_kv_connector_stats(self) -> VeriCacheConnectorStats | None:
+        worker = self._role != KVConnectorRole.SCHEDULER
+        totals = snapshot(self, store=worker, drafts=self.context.drafter.stats() if worker else None)
+        delta = self._interval.delta(totals)
+        return VeriCacheConnectorStats(data=delta) if delta else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> VeriCacheConnectorStats:
+        return VeriCacheConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> VeriCacheConnectorPromMetrics:
+        return VeriCacheConnectorPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
