@@ -9,6 +9,7 @@
 # slack left by a fast stage goes to later ones), at most twice its nominal; with under 10 s it is
 # skipped with a line saying so.
 #
+# GPU_CHECK_VLLM_ARGS: more options for the vllm stage (benchmarks/gpu/vllm_decode.py --help).
 # GPU_CHECK_DRY_RUN=1: no install (GPU_CHECK_PYTHON, default python3, must have the package), every
 # stage in its --dry-run mode; on a CPU host facts and pcie report "no CUDA" (ok: false).
 set -u
@@ -64,6 +65,7 @@ else
   "$SYS_PY" $G/common.py emit --stage attention --error "benchmarks/gpu/attention.py missing"
 fi
 # the engines must end before the stage's limit kills this driver (they run in their own sessions)
-stage vllm "$PY" $G/vllm_decode.py --budget-s $(($(limit vllm) - 15)) $FLAG
+# shellcheck disable=SC2086  # GPU_CHECK_VLLM_ARGS: more vllm_decode.py options, e.g. "--feature-batches 32,64"
+stage vllm "$PY" $G/vllm_decode.py --budget-s $(($(limit vllm) - 15)) $FLAG ${GPU_CHECK_VLLM_ARGS:-}
 stage engine "$PY" $G/engine_cuda.py --budget-s $(($(limit engine) - 5)) $FLAG
 echo "[check +$((SECONDS - START)) s] done; lines in $OUT/gpu_check.jsonl" >&2

