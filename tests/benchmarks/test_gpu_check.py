@@ -72,7 +72,7 @@ def test_dry_run_prints_one_line_per_stage_and_appends_the_same_lines(tmp_path):
 
 
 def test_a_small_budget_skips_the_stages_it_cannot_fit(tmp_path):
-    # 100 s: the later stages' nominal seconds (vllm 150 + engine 45, ...) leave facts and pcie under 10 s
+    # 100 s: the later stages' nominal seconds (vllm 140 + engine 55, ...) leave facts and pcie under 10 s
     _, lines = check(tmp_path, GPU_CHECK_BUDGET_S="100")
     by = {ln["stage"]: ln for ln in lines}
     assert [ln["stage"] for ln in lines] == STAGES
