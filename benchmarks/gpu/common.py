@@ -75,8 +75,11 @@ def run_stage(stage: str, fn: Callable[[], dict[str, Any]]) -> int:
 
 
 def require_cuda():
-    """``torch`` when a CUDA device is usable; else :class:`StageError` ``no CUDA``."""
-    import torch
+    """``torch`` when a CUDA device is usable; else :class:`StageError` ``no CUDA`` (or ``no torch``)."""
+    try:
+        import torch
+    except ImportError as e:  # a failed install
+        raise StageError(f"no torch: {e}") from None
 
     if not torch.cuda.is_available():
         raise StageError(f"no CUDA: torch {torch.__version__} (CUDA build {torch.version.cuda}) sees no GPU")

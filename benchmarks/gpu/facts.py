@@ -26,11 +26,12 @@ def nvidia_smi() -> list[dict[str, str]] | str:
     """One dict per GPU, or why there is none."""
     if shutil.which("nvidia-smi") is None:
         return "nvidia-smi not found"
-    proc = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(SMI_FIELDS)}", "--format=csv,noheader,nounits"],
-                          capture_output=True, text=True, timeout=20)
-    if proc.returncode:
-        return f"nvidia-smi exit status {proc.returncode}: {proc.stderr.strip()[-300:]}"
-    return [dict(zip(SMI_FIELDS, (v.strip() for v in row.split(",")))) for row in proc.stdout.strip().splitlines()]
+    for fields in (SMI_FIELDS, SMI_FIELDS[:3]):  # an older driver may not know every field: then the basics
+        proc = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=20)
+        if proc.returncode == 0:
+            return [dict(zip(fields, (v.strip() for v in row.split(",")))) for row in proc.stdout.strip().splitlines()]
+    return f"nvidia-smi exit status {proc.returncode}: {(proc.stderr or proc.stdout).strip()[-300:]}"
 
 
 def versions() -> dict[str, str | None]:
@@ -65,10 +66,12 @@ def lmcache_cuda_ops() -> str:
 
 
 def facts(check_lmcache: bool) -> dict[str, Any]:
-    import torch
-
-    out: dict[str, Any] = {"python": platform.python_version(), "gpus": nvidia_smi(), "versions": versions(),
-                           "torch": torch_facts(torch)}
+    out: dict[str, Any] = {"python": platform.python_version(), "gpus": nvidia_smi(), "versions": versions()}
+    try:  # without torch (a failed install) the GPU's own facts still come back
+        import torch
+    except ImportError as e:
+        raise StageError(f"no torch: {e}", out) from None
+    out["torch"] = torch_facts(torch)
     if check_lmcache:
         out["lmcache_cuda_ops"] = lmcache_cuda_ops()
     if not torch.cuda.is_available():

@@ -114,7 +114,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = str(ensure_smollm2())
     ids = prompts(max(args.batches), args.prompt_tokens, AutoTokenizer.from_pretrained(model))
     shutil.rmtree(args.store_dir, ignore_errors=True)
-    work = out_dir() / "vllm"
+    work = Path(args.store_dir).with_name("vericache-gpu-check-vllm")  # specs and reports (MBs of token ids)
+    shutil.rmtree(work, ignore_errors=True)
     results: dict[str, Any] = {"setup": {"batches": args.batches, "feature_batches": args.feature_batches,
                                          "prompt_tokens": args.prompt_tokens,
                                          "new_tokens": args.new_tokens, "dtype": args.dtype,
@@ -128,13 +129,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             results["configs"][name] = {"error": f"skipped: {left:.0f} s left of the stage's budget"}
             continue
         t0 = time.monotonic()
+        log = work / name / "engine.log"
         try:
             rep = run_engine({"llm": llm, "jobs": jobs(name, args, ids),
                               "stats": name == "proposer", "connector_stats": name == "connector"},
                              work / name, timeout=share)
         except RuntimeError as e:
-            results["configs"][name] = {"error": str(e)[:3000], "process_s": round(time.monotonic() - t0, 1)}
+            msg = str(e)  # the root causes' line, then the log's tail
+            results["configs"][name] = {"error": msg.splitlines()[0] + "\n..." + msg[-1500:],
+                                        "process_s": round(time.monotonic() - t0, 1)}
             continue
+        finally:
+            if log.is_file():  # the engine's log comes back with the results
+                shutil.copy(log, out_dir() / f"vllm-{name}.log")
         tokens[name] = {j: rep["jobs"][j]["tokens"] for j in rep["jobs"]}
         results["configs"][name] = {"engine_start_s": round(rep["start_s"], 1),
                                     "process_s": round(time.monotonic() - t0, 1),

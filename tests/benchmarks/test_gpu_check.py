@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).parents[2]
@@ -69,6 +70,18 @@ def test_dry_run_prints_one_line_per_stage_and_appends_the_same_lines(tmp_path):
     assert vllm["connector"]["llm"]["kv_transfer_config"]["kv_connector"] == "VeriCacheConnector"
     assert vllm["proposer"]["llm"]["speculative_config"]["method"] == "custom_class"
     assert by["engine"]["ok"] and set(by["engine"]["results"]["commands"]) == {"float32", "bfloat16"}
+
+
+def test_without_torch_as_after_a_failed_install_every_stage_still_gives_its_line(tmp_path):
+    bare = "/usr/bin/python3"  # the system Python: no torch
+    if not Path(bare).is_file() or subprocess.run([bare, "-c", "import torch"], capture_output=True).returncode == 0:
+        pytest.skip(f"needs a Python without torch at {bare}")
+    _, lines = check(tmp_path, GPU_CHECK_PYTHON=bare)
+    by = {ln["stage"]: ln for ln in lines}
+    assert [ln["stage"] for ln in lines] == STAGES
+    for name in ("facts", "pcie"):
+        assert by[name]["ok"] is False and by[name]["error"].startswith("StageError: no torch"), by[name]
+    assert by["facts"]["results"]["python"]  # what it could find without torch
 
 
 def test_a_small_budget_skips_the_stages_it_cannot_fit(tmp_path):
