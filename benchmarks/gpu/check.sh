@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The prepared GPU check: one run on a bare CUDA machine (PyPI reachable), at most GPU_CHECK_BUDGET_S
+# (470 s) from start to last line. Run from anywhere:  bash benchmarks/gpu/check.sh   (README.md here)
+#
+# Stages, in order, each with its own time limit: install, facts, pcie, attention, vllm, engine. Each
+# prints exactly one JSON line on stdout, also appended to $OUT/gpu_check.jsonl ($OUT defaults to
+# benchmarks/results/gpu); its log is $OUT/<stage>.log. A failed stage does not stop the next.
+# A stage's limit is what is left of the budget less the nominal seconds of the stages after it (so
+# slack left by a fast stage goes to later ones), at most twice its nominal; with under 10 s it is
+# skipped with a line saying so.
+#
+# GPU_CHECK_VLLM_ARGS: more options for the vllm stage (benchmarks/gpu/vllm_decode.py --help).
+# GPU_CHECK_DRY_RUN=1: no install (GPU_CHECK_PYTHON, default python3, must have the package), every
+# stage in its --dry-run mode; on a CPU host facts and pcie report "no CUDA" (ok: false).
+set -u
+cd "$(dirname "$0")/../.."
+export OUT=${OUT:-benchmarks/results/gpu}
+mkdir -p "$OUT"
+: > "$OUT/gpu_check.jsonl"
+BUDGET=${GPU_CHECK_BUDGET_S:-470}
+DRY=${GPU_CHECK_DRY_RUN:-0}
+VENV=${GPU_CHECK_VENV:-/tmp/vericache-gpu-venv}
+SYS_PY=$(command -v python3)
+G=benchmarks/gpu
+NAMES=(install facts pcie attention vllm engine)
+NOMINAL=(190 15 25 45 140 55)  # seconds; they sum to the budget
+if [[ $DRY == 1 ]]; then PY=${GPU_CHECK_PYTHON:-python3}; FLAG=--dry-run; else PY=$VENV/bin/python; FLAG=; fi
+START=$SECONDS
+
+# limit NAME: seconds this stage may take now (see the header)
+limit() {
+  local i reserve=0 after=0 cap=0
+  for i in "${!NAMES[@]}"; do
+    ((after)) && reserve=$((reserve + NOMINAL[i]))
+    if [[ ${NAMES[i]} == "$1" ]]; then after=1; cap=$((2 * NOMINAL[i])); fi
+  done
+  local left=$((BUDGET - (SECONDS - START) - reserve))
+  echo $((left < cap ? left : cap))
+}
+
+# stage NAME CMD...: run CMD under the stage's limit through common.py wrap (exactly one line)
+stage() {
+  local name=$1 lim
+  shift
+  lim=$(limit "$name")
+  if ((lim < 10)); then
+    "$SYS_PY" $G/common.py emit --stage "$name" --skipped "budget: ${lim} s left for it"
+    return
+  fi
+  echo "[check +$((SECONDS - START)) s] $name (limit ${lim} s)" >&2
+  "$SYS_PY" $G/common.py wrap --stage "$name" --timeout "$lim" --log "$OUT/$name.log" -- "$@"
+}
+
+if [[ $DRY == 1 ]]; then
+  "$SYS_PY" $G/common.py emit --stage install --skipped "dry run: $PY"
+else
+  stage install bash $G/install.sh "$VENV"
+  [[ -x $PY ]] || PY=$SYS_PY  # failed install: later stages still report (their errors)
+fi
+stage facts "$PY" $G/facts.py $FLAG
+stage pcie "$PY" $G/pcie.py $FLAG
+if [[ -f $G/attention.py ]]; then
+  stage attention "$PY" $G/attention.py --json $FLAG
+else
+  "$SYS_PY" $G/common.py emit --stage attention --error "benchmarks/gpu/attention.py missing"
+fi
+# the engines must end before the stage's limit kills this driver (they run in their own sessions)
+# shellcheck disable=SC2086  # GPU_CHECK_VLLM_ARGS: more vllm_decode.py options, e.g. "--feature-batches 32,64"
+stage vllm "$PY" $G/vllm_decode.py --budget-s $(($(limit vllm) - 15)) $FLAG ${GPU_CHECK_VLLM_ARGS:-}
+stage engine "$PY" $G/engine_cuda.py --budget-s $(($(limit engine) - 5)) $FLAG
+echo "[check +$((SECONDS - START)) s] done; lines in $OUT/gpu_check.jsonl" >&2
