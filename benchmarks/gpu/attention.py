@@ -46,6 +46,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=5, help="timed repetitions (median reported)")
     p.add_argument("--json", action="store_true", help="print one JSON line (else a line per result)")
     p.add_argument("--cpu-check", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1, fp16")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the options and imports, print the plan as one JSON line, touch no device")
     a = p.parse_args(argv)
     if a.cpu_check:
         a.batch, a.tokens, a.kv_heads, a.group, a.head_dim, a.chunk = [2], 128, 2, 2, 64, 64
@@ -118,6 +120,11 @@ def main(argv=None) -> int:
     from lmcache_vericache.engine import triton_attention as ta
     from lmcache_vericache.engine.paged_int8 import PagedInt8
 
+    if a.dry_run:  # benchmarks/gpu/check.sh's dry run: what would be timed
+        plan = {"bench": "gpu_attention", "dry_run": True, "batch": a.batch, "tokens": a.tokens, "formats": a.formats,
+                "splits": a.splits, "tiles": a.tiles, "triton_available": ta.available()}
+        print(json.dumps(plan))
+        return 0
     device = "cpu" if a.cpu_check else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         msg = "benchmarks/gpu/attention.py: no CUDA device (torch.cuda.is_available() is False); use --cpu-check on a CPU"
