@@ -48,10 +48,9 @@ Chunks come from a shared store that other hosts write, so a reader checks two t
    ``[start, start + T)``, and allocates in proportion to ``full_nbytes`` (bounded as above).
    ``tests/compressors/test_fuzz.py`` checks this on 11,000 mutated chunks of every method.
 
-   Cost: structural checks only (a pass over positions and scales; layouts come from the cache).
-   On a ``[2, 32, 256, 1024]`` bf16 chunk (32 MiB full, 8 heads) it took 0.6-7 ms (a first shape
-   adds one layer's encode, ~1 ms), against 25 ms-1.2 s for decompressing the quantized methods on
-   the same 2-core host, so validate does not run ``decompress`` as a safety net.
+   Cost: structural checks only (a pass over positions and scales; layouts come from the cache),
+   far cheaper than decompressing a quantized chunk, so validate does not run ``decompress`` as a
+   safety net (docs/benchmarks.md, "Store").
 
 :func:`frame` / :func:`unframe` expose the framing alone (any header, valid digest) for tools and
 tests that edit headers.
@@ -274,8 +273,8 @@ def from_bytes(data: Buffer) -> CompressedKV:
         raise CodecError(f"malformed header: buffers is a {type(entries).__name__}, not a list")
     if not isinstance(h["shape"], list):
         raise CodecError(f"malformed header: shape is a {type(h['shape']).__name__}, not a list")
-    # One tensor over the whole payload; each buffer is a slice of it (a per-buffer
-    # frombuffer costs ~30 us, and a quantized chunk has hundreds of buffers).
+    # One tensor over the whole payload; each buffer is a slice of it (a quantized chunk has
+    # hundreds of buffers, and a frombuffer per buffer costs more than the slicing).
     with warnings.catch_warnings():  # read-only input: callers must not write into views
         warnings.simplefilter("ignore", UserWarning)
         payload = (torch.frombuffer(mv, dtype=torch.uint8, offset=data_start, count=body_end - data_start)

@@ -39,7 +39,7 @@ def _table(fmt: str) -> torch.Tensor:
 
 
 def _dequant(q: torch.Tensor, scale: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    # A 256-entry lookup: torch's fp8 -> float cast is scalar code on CPU (~10x slower).
+    # A 256-entry lookup: torch's fp8 -> float cast is scalar code on CPU, much slower.
     x = table.index_select(0, q.view(torch.uint8).reshape(-1).long()).view(q.shape)
     return x.mul_(scale.float()).to(dtype)
 

@@ -76,7 +76,7 @@ def _encode(x: torch.Tensor, bits: int, seed: int) -> tuple[torch.Tensor, torch.
     norm = x.norm(dim=-1, keepdim=True)
     # Rotation preserves the norm, so rotate first and normalize the result.
     y = (x @ rotation(d, seed).T).div_(norm.clamp_min(1e-30))
-    # Nearest centroid by table lookup on the fp16 bit pattern (bucketize is ~15x slower on CPU).
+    # Nearest centroid by table lookup on the fp16 bit pattern (bucketize is much slower on CPU).
     # Rounding to fp16 can only flip a coordinate within half an fp16 ulp of a decision boundary,
     # where both centroids are equally near.
     idx = y.to(torch.float16).view(torch.uint16).reshape(-1).int()
