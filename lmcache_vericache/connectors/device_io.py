@@ -132,12 +132,13 @@ class HostCopy:
     def result(self) -> Tensor:
         """The chunk in host memory, after its copy completed (blocks until then)."""
         self._wait()
+        self._wait = lambda: None
         return self._host
 
     def release(self) -> None:
         """Hand the host memory back (after ``put`` copied it). Waits for the copy first: the device
         source must outlive it, and so must the slab."""
-        self._wait()
+        self.result()
         self._keep = None
         self._release()
 

@@ -12,15 +12,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm.v1.kv_cache_interface import (  # noqa: E402
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheTensor,
-    compute_layout_strides,
-)
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
-from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 from lmcache_vericache import compressors  # noqa: E402
 from lmcache_vericache.backends.keys import KeySpace  # noqa: E402
@@ -29,6 +21,8 @@ from lmcache_vericache.backends.tiers.memory import MemoryTier  # noqa: E402
 from lmcache_vericache.connectors import paged_layout as pl  # noqa: E402
 from lmcache_vericache.connectors.kv_layout import CpuBlockLayout, LogicalLayout, layout_for  # noqa: E402
 from lmcache_vericache.connectors.paged_transfer import ConnectorStats, LoadSpec, PagedTransfer, SaveSpec  # noqa: E402
+from lmcache_vericache.testing import paged_caches  # noqa: E402
+from lmcache_vericache.testing.paged_caches import backend_kv  # noqa: E402
 
 L, H, D, BLOCK, NUM_BLOCKS, CHUNK = 3, 2, 8, 16, 10, 32
 LAYOUTS = list(KVCacheLayout)
@@ -37,26 +31,8 @@ SPLIT = [(lay, None) for lay in LAYOUTS] + [(lay, 8) for lay in LAYOUTS if lay.i
 
 
 def vllm_caches(layout: KVCacheLayout, kernel_block: int | None = None, dtype=torch.float32) -> list[torch.Tensor]:
-    """One model's per-layer caches as vLLM's worker allocates them: one buffer, ``layout``'s strides."""
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=H, head_size=D, dtype=dtype)
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
-    layer_stride, block_stride, *_ = compute_layout_strides(spec, NUM_BLOCKS, L, layout)
-    tensor = KVCacheTensor(size=spec.page_size_bytes * NUM_BLOCKS * L, layers=names, layer_stride=layer_stride,
-                           block_stride=block_stride)
-    config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[tensor], kv_cache_groups=[KVCacheGroupSpec(names, spec)])
-    kv = allocate_kv_cache(config, torch.device("cpu"), layout, None if kernel_block is None else [kernel_block])
-    caches = [kv[n] for n in names]
-    g = torch.Generator().manual_seed(hash(layout.name) % 1000)
-    for c in caches:
-        c.copy_(torch.randn(c.shape, generator=g).to(dtype))
-    return caches
-
-
-def backend_kv(cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K, V ``[H, T, D]`` of ``slots`` as vLLM's attention backends read them (flash_attn's split)."""
-    key_cache, value_cache = cache.transpose(1, 2).split(D, dim=-1)  # [blocks, block, heads, D]
-    n = cache.shape[2]
-    return key_cache[slots // n, slots % n].transpose(0, 1), value_cache[slots // n, slots % n].transpose(0, 1)
+    return paged_caches.vllm_caches(layout, layers=L, heads=H, head_size=D, block_size=BLOCK, num_blocks=NUM_BLOCKS,
+                                    kernel_block=kernel_block, dtype=dtype, seed=len(layout.name) + layout.value[1])
 
 
 @pytest.mark.parametrize("layout,kernel_block", SPLIT, ids=lambda x: getattr(x, "name", str(x)))
