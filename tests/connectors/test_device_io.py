@@ -24,7 +24,6 @@ from lmcache_vericache.connectors import paged_layout as pl  # noqa: E402
 from lmcache_vericache.connectors.device_io import CudaIO, StreamOps  # noqa: E402
 from lmcache_vericache.connectors.kv_layout import LogicalLayout  # noqa: E402
 from lmcache_vericache.connectors.paged_transfer import ConnectorStats, LoadSpec, PagedTransfer, SaveSpec  # noqa: E402
-
 from lmcache_vericache.testing.paged_caches import backend_kv, vllm_caches  # noqa: E402
 
 L, H, D, BLOCK, CHUNK = 3, 2, 8, 16, 32
