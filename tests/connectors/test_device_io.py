@@ -204,3 +204,42 @@ def test_a_save_gathers_on_compute_and_is_put_after_its_copy_completed():
 def test_a_pool_smaller_than_one_chunk_fails_naming_the_option():
     with pytest.raises(ValueError, match="pinned_pool_bytes"):
         CudaIO(FakeStreams(), chunk_bytes=1 << 20, pool_bytes=1 << 19, wait_s=1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("layout", [KVCacheLayout.LBNHC, KVCacheLayout.BLHNC], ids=lambda x: x.name)
+def test_cuda_round_trip_through_pinned_memory_and_streams(layout):
+    """On a GPU: the real streams, events and pinned pool save chunks out of vLLM-allocated CUDA
+    caches and load them into others, exactly (the backends' split as the oracle)."""
+    from lmcache_vericache.connectors.device_io import TorchCuda
+
+    store = DualTierStore(compressors.get("int8"), MemoryTier(1 << 30), num_kv_heads=H)
+    shape = dict(layers=L, heads=H, head_size=D, block_size=BLOCK, num_blocks=10, device="cuda")
+    src, dst = vllm_caches(layout, seed=1, **shape), vllm_caches(layout, seed=2, **shape)
+    dst_before = [c.clone() for c in dst]
+    space = KeySpace(model="test", dtype="float32", chunk_size=CHUNK, compressor="int8")
+
+    def transfer(caches):
+        io = CudaIO(TorchCuda(caches[0].device), chunk_bytes(caches), 4 * chunk_bytes(caches), wait_s=10)
+        return PagedTransfer(store, space, CHUNK, BLOCK, LogicalLayout(caches), 0, 30, ConnectorStats(), io=io)
+
+    prompt = list(range(2 * CHUNK + 1))
+    keys = space.token_keys(prompt)
+    saver, loader = transfer(src), transfer(dst)
+    try:
+        saver.save([SaveSpec("a", [(keys[0], 0), (keys[1], CHUNK)], [6, 0, 3, 8])])
+        saver.flush()
+        loader.load(LoadSpec("b", keys, [1, 9, 4, 5], CHUNK // 2 + 3, 2 * CHUNK, prompt))
+        until(lambda: "b" in loader.take_finished())
+        assert loader.take_errors() == set()
+    finally:
+        saver.close()
+        loader.close()
+        store.close()
+    start = CHUNK // 2 + 3
+    got = pl.slots_for(torch.tensor([1, 9, 4, 5]), start, 2 * CHUNK, BLOCK).cuda()
+    want = pl.slots_for(torch.tensor([6, 0, 3, 8]), start, 2 * CHUNK, BLOCK).cuda()
+    kept = pl.slots_for(torch.tensor([1, 9, 4, 5]), 0, start, BLOCK).cuda()
+    for li in range(L):
+        assert all(torch.equal(a, b) for a, b in zip(backend_kv(dst[li], got), backend_kv(src[li], want)))
+        assert all(torch.equal(a, b) for a, b in zip(backend_kv(dst[li], kept), backend_kv(dst_before[li], kept)))
