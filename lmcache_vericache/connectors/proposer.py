@@ -163,6 +163,11 @@ class CompressedKVProposer:
 
     def __init__(self, vllm_config: Any):
         spec = vllm_config.speculative_config
+        pc = getattr(vllm_config, "parallel_config", None)
+        if pc is not None and (pc.tensor_parallel_size > 1 or pc.pipeline_parallel_size > 1):
+            # Its draft forwards run the rank's slice of the model outside vLLM's step: no collectives.
+            raise ValueError("CompressedKVProposer needs tensor_parallel_size = pipeline_parallel_size = 1 "
+                             f"(got {pc.tensor_parallel_size} / {pc.pipeline_parallel_size})")
         self.k = int(spec.num_speculative_tokens)
         self.opts = ProposerOptions.load(getattr(vllm_config, "additional_config", None), os.environ, self.k)
         self.compressor = compressors.get(self.opts.compressor, **self.opts.compressor_params)

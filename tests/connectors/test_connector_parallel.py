@@ -149,3 +149,10 @@ def test_a_rank_never_reads_another_ranks_chunk(tiny_folder, tmp_path):
     for li in range(2):
         assert torch.equal(backend_kv(dst1[li], got)[0], backend_kv(src1[li], mine)[0])
         assert not torch.equal(backend_kv(dst1[li], got)[0], backend_kv(src0[li], theirs)[0])
+
+
+def test_the_proposer_refuses_tp(tiny_folder, tmp_path):
+    from lmcache_vericache.connectors.proposer import CompressedKVProposer
+
+    with pytest.raises(ValueError, match="CompressedKVProposer needs tensor_parallel_size"):
+        CompressedKVProposer(config(tiny_folder, tmp_path, tp=2))
