@@ -37,8 +37,10 @@
   spaces' ids and stored chunks are unchanged); a rank is never handed another rank's chunk. The
   scheduler has no rank: it knows the world sizes and counts a chunk a hit only where *every* rank's
   space has it (a prefix some rank cannot load is not offered), and plans a save unless every rank
-  has the chunk. Load-window drafting (``draft_tokens`` > 0) is refused with TP or PP > 1: drafts
-  from a side thread would need rank-synchronous collectives.
+  has the chunk (a lookup costs one ``has_full`` per rank and chunk). Ranks run in processes of
+  their own, apart from the scheduler: they share chunks through a shared capacity tier (disk,
+  redis, ...); ``capacity: memory`` never hits there. Load-window drafting (``draft_tokens`` > 0)
+  is refused with TP or PP > 1: drafts from a side thread would need rank-synchronous collectives.
 * One store per engine, held by its :class:`~.worker_context.WorkerContext` (the scheduler and
   worker sides share it where vLLM runs them in one process), so ``capacity: memory`` works within
   one vLLM instance; share across instances with disk, redis, redis_cluster, lm or nixl.

@@ -57,8 +57,7 @@ def test_tp2_output_equals_plain_vllm_and_every_rank_stores_its_own_chunks(tmp_p
     assert (rank0["loaded_chunks"], rank0["failed_chunks"]) == (2 * (PROMPT // CHUNK), 0)
     # Both ranks stored their own slice of every chunk, under their own spaces.
     mc = ModelConfig(model=str(model), tokenizer=str(ensure_smollm2()), dtype="float32", max_model_len=1024)
-    kv = KVTransferConfig(kv_connector="VeriCacheConnector", kv_role="kv_both",
-                          kv_connector_extra_config={"chunk_size": CHUNK, **store})
+    kv = KVTransferConfig(**llm(str(model), store)["kv_transfer_config"])
     cfg = VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=128), kv_transfer_config=kv,
                      parallel_config=ParallelConfig(tensor_parallel_size=2))
     sched = VeriCacheConnector(cfg, KVConnectorRole.SCHEDULER, None)
