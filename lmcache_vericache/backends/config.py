@@ -157,11 +157,11 @@ class StoreConfig:
                              "'redis_cluster' (a hash tag in it would put every key in one slot)")
 
     def key_space(self, *, model: str, dtype: torch.dtype | str, chunk_size: int, layout: str = LAYOUT_2LTD,
-                  scheme: str = "blake3") -> KeySpace:
+                  scheme: str = "blake3", shard: str = "") -> KeySpace:
         """The key space of a host: its own facts, overridden by ``model_id`` / ``hash_scheme``."""
         return KeySpace(model=self.model_id or model, dtype=str(dtype), chunk_size=chunk_size,
                         compressor=self.compressor, compressor_params=dict(self.compressor_params),
-                        layout=layout, scheme=self.hash_scheme or scheme)
+                        layout=layout, scheme=self.hash_scheme or scheme, shard=shard)
 
     def with_heads(self, num_kv_heads: int, *, where: str = "store config", prefix: str = "") -> StoreConfig:
         """This config with the model's KV head count filled in; a different configured count raises."""

@@ -57,6 +57,9 @@ class KeySpace:
     compressor_params: dict[str, Any] = field(default_factory=dict, hash=False)
     layout: str = LAYOUT_2LTD
     scheme: str = "blake3"
+    # The slice of the model's KV a host holds ("" for all of it): a tensor-/pipeline-parallel
+    # rank's heads and layers. Only a non-empty shard enters the id, so unsharded ids never change.
+    shard: str = ""
 
     def __post_init__(self) -> None:
         if self.scheme not in HASH_SCHEMES:
@@ -76,6 +79,8 @@ class KeySpace:
         desc = {"key": KEY_VERSION, "full": FULL_VERSION, "codec": CODEC_VERSION, "model": self.model,
                 "dtype": self.dtype, "chunk_size": self.chunk_size, "layout": self.layout, "scheme": self.scheme,
                 "compressor": self.compressor, "params": self.compressor_params}
+        if self.shard:
+            desc["shard"] = self.shard
         return blake3.blake3(json.dumps(desc, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
     def key(self, prefix_hash: bytes | int) -> str:
@@ -84,6 +89,10 @@ class KeySpace:
         if isinstance(prefix_hash, int):
             prefix_hash = prefix_hash.to_bytes(8, "big", signed=prefix_hash < 0)
         return f"{self.id}-{prefix_hash.hex()}"
+
+    def rekey(self, key: str) -> str:
+        """The key in this space of the chunk ``key`` names in another (same prefix hash)."""
+        return f"{self.id}{key[key.index('-'):]}"
 
     def token_keys(self, tokens: Sequence[int]) -> list[str]:
         """Keys of the complete chunks of ``tokens``, in order."""

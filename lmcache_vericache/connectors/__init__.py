@@ -1,6 +1,8 @@
 """vLLM integration: the KV connector (:mod:`.vericache_connector`, the dual-tier store on vLLM's
 data path), the compressed-KV drafting proposer (:mod:`.proposer`, ``--speculative-config``) and
-the paged-cache layout helpers both read vLLM's KV with (:mod:`.paged_layout`)."""
+the layout strategy both read vLLM's paged KV with (:mod:`.kv_layout`: the CPU backend's probed
+tiles, :mod:`.paged_layout`, or vLLM's logical view on a GPU), and the host <-> device ordering
+of the connector's copies (:mod:`.device_io`)."""
 
 from __future__ import annotations
 

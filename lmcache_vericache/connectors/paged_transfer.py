@@ -6,15 +6,18 @@ vLLM's scheduler; the connector (:mod:`.vericache_connector`) turns vLLM's hooks
 * Loads (:meth:`PagedTransfer.load`): one of ``LOAD_THREADS`` threads per request. The full chunks
   are read through the store's prefetch, once for every load in flight that needs them (requests
   sharing a prefix that load together share each read: the prefix crosses the link once), and
-  written into the request's blocks in vLLM's CPU layout (:mod:`.paged_layout`) from the first
+  written into the request's blocks through the cache's layout strategy (:mod:`.kv_layout`) and
+  device IO (:mod:`.device_io`: on a GPU through a pinned pool on a load stream) from the first
   position vLLM has not computed itself (blocks before it may be shared with other requests, and
   are never written). With a drafter that can draft (:class:`~.drafts.LoadDrafter`, the proposer
   attached) the compressed chunks are fetched first and a draft job starts over them. The first chunk that misses, fails its digest or has the
   wrong shape ends the load: its blocks and every later one are reported by :meth:`take_errors`,
-  no later than the request by :meth:`take_finished`, so vLLM recomputes them.
-* Saves (:meth:`PagedTransfer.save`): a synchronous token-major copy (``KV_2LTD``) right after the
-  forward, then one writer thread ``put``\\ s it (full + compressed) from a bounded queue; a full
-  queue drops the save (counted: a lost save is a later miss), a failing put is counted and logged.
+  with the request by :meth:`take_finished`, so vLLM recomputes them. A request is reported
+  finished once its last write completed on the device (:class:`~.device_io.Pending`).
+* Saves (:meth:`PagedTransfer.save`): a token-major gather (``KV_2LTD``) right after the forward,
+  its copy to host memory (:meth:`~.device_io.DeviceIO.save`), then one writer thread waits for that
+  copy and ``put``\\ s it (full + compressed) from a bounded queue; a full queue or no free host
+  memory drops the save (counted: a lost save is a later miss), a failing put is counted and logged.
 * Threading: ``load``/``save``/``take_*`` are called from vLLM's worker thread; counters and the
   finished/error sets are guarded by one lock.
 """
@@ -25,7 +28,6 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -35,7 +37,9 @@ from ..backends.keys import KeySpace
 from ..backends.store import DualTierStore
 from ..engine.cache import kv_to_2ltd
 from . import paged_layout as pl
+from .device_io import CpuIO, DeviceIO, Pending
 from .drafts import DraftJob, LoadDrafter
+from .kv_layout import KVLayout
 
 logger = logging.getLogger("vllm." + __name__)  # shown by vLLM's log handler
 Tensor = torch.Tensor
@@ -46,7 +50,8 @@ SAVE_QUEUE = 64
 @dataclass
 class LoadSpec:
     """Load chunks ``keys`` (tokens ``[stop - len(keys)*chunk, stop)``) into ``block_ids``, writing
-    positions from ``start`` on (before it are vLLM's own blocks)."""
+    positions from ``start`` on (before it are vLLM's own blocks). Keys may be of any rank's space
+    (the scheduler's): each rank loads the same chunks of its own."""
 
     req_id: str
     keys: list[str]
@@ -58,7 +63,8 @@ class LoadSpec:
 
 @dataclass
 class SaveSpec:
-    """Save chunks ``(key, first token)`` of one request, read from its ``block_ids``."""
+    """Save chunks ``(key, first token)`` of one request, read from its ``block_ids`` (keys as in
+    :class:`LoadSpec`)."""
 
     req_id: str
     chunks: list[tuple[str, int]]
@@ -87,15 +93,13 @@ class PagedTransfer:
     """Moves chunks between a :class:`DualTierStore` and vLLM's paged KV (see the module docstring)."""
 
     def __init__(self, store: DualTierStore, space: KeySpace, chunk_size: int, block_size: int,
-                 layers: list[Tensor], isas: Callable[[], list[str | None]], draft_tokens: int,
-                 load_timeout_s: float, stats: ConnectorStats, drafter: LoadDrafter | None = None) -> None:
+                 layout: KVLayout, draft_tokens: int, load_timeout_s: float, stats: ConnectorStats,
+                 drafter: LoadDrafter | None = None, io: DeviceIO | None = None) -> None:
         self.store, self.space, self.chunk_size, self.block_size = store, space, chunk_size, block_size
-        self.drafter = drafter
+        self.drafter, self.layout, self.io = drafter, layout, io or CpuIO()
         self.draft_tokens, self.load_timeout_s, self.stats = draft_tokens, load_timeout_s, stats
-        self._layers, self._isas = layers, isas
-        self._layouts: list[pl.BlockLayout] | None = None
         self._lock = threading.Lock()
-        self._finished: set[str] = set()
+        self._finished: dict[str, tuple[Pending, list[int]]] = {}  # req -> its last write, failed blocks
         self._errors: set[int] = set()
         self._inflight: dict[str, Future] = {}  # full-chunk reads shared by concurrent loads
         self._ckv_lock = threading.Lock()
@@ -104,47 +108,40 @@ class PagedTransfer:
         self._writer = threading.Thread(target=self._write_loop, name="vericache-save", daemon=True)
         self._writer.start()
 
-    def _layouts_now(self) -> list[pl.BlockLayout]:
-        """Each layer's block layout, probed on first use (vLLM sets the layers' ISA after
-        registering the caches)."""
-        if self._layouts is None:
-            isas = self._isas()
-            if any(isa is None for isa in isas):
-                raise RuntimeError("VeriCacheConnector needs vLLM's CPU attention backend (layer has no 'isa')")
-            self._layouts = [pl.layout_for(kv, isa) for kv, isa in zip(self._layers, isas)]
-        return self._layouts
-
     def load(self, spec: LoadSpec) -> None:
-        """Start loading ``spec`` in the background; :meth:`take_finished` reports it when done."""
-        self._loader.submit(self._load, spec)
+        """Start loading ``spec`` in the background (its writes wait for the compute stream's work
+        so far); :meth:`take_finished` reports it when done."""
+        self._loader.submit(self._load, spec, self.io.mark())
 
-    def _load(self, spec: LoadSpec) -> None:
+    def _load(self, spec: LoadSpec, after: object = None) -> None:
         """Compressed chunks to the drafter at once, then full chunks into the blocks as they come."""
         t0 = time.perf_counter()
         c, bs = self.chunk_size, self.block_size
         first = spec.stop - len(spec.keys) * c
         written = spec.start  # positions [start, written) are in vLLM's blocks, verified
-        job = None
+        job, last = None, Pending()
+        shape = (2, self.layout.num_layers, c, self.layout.width)
         try:
-            layouts = self._layouts_now()
             # The compressed chunks first, alone on the link: drafting starts after their bytes
             # instead of after a share of the full chunks' too, and on a bandwidth-bound link the
             # full chunks arrive no later (the same bytes cross it either way).
             if self.draft_tokens and self.drafter is not None and self.drafter.can_draft:  # no proposer: no compressed bytes moved
                 job = self._start_drafts(spec)
-            chunks = self._fetch(spec.keys)
+            chunks = self._fetch([self.space.rekey(k) for k in spec.keys])  # this rank's chunks
             blocks = torch.tensor(spec.block_ids)
             for i in range(len(spec.keys)):
                 full = chunks[i].result(self.load_timeout_s)  # TimeoutError: a hung store fails the load
                 lo, hi = first + i * c, first + (i + 1) * c
-                if full is None or tuple(full.shape[:3]) != (2, len(self._layers), c):
+                if full is None or tuple(full.shape) != shape or full.dtype != self.layout.dtype:
                     # Found by the lookup, gone or unreadable now (evicted, corrupt, the tier
                     # failed: the store logged which): vLLM recomputes from here.
                     logger.warning("vericache connector: load of %s: chunk %d of %d %s; vLLM recomputes "
                                    "from token %d", spec.req_id, i + 1, len(spec.keys),
                                    "missed" if full is None else f"has shape {tuple(full.shape)}", max(lo, spec.start))
                     break
-                self._write(full[:, :, max(0, spec.start - lo):], blocks, max(lo, spec.start), hi, layouts)
+                start = max(lo, spec.start)
+                last = self.io.load(full[:, :, start - lo:], after,
+                                    lambda dev, start=start, hi=hi: self._write(dev, blocks, start, hi))
                 written = hi
         except Exception as e:  # store down mid-load, bad layout: vLLM recomputes what is missing
             logger.warning("vericache connector: load of %s failed after %d of %d tokens (%s: %s); vLLM "
@@ -160,8 +157,7 @@ class PagedTransfer:
             if failed:
                 self.stats.failed_chunks += -(-(spec.stop - written) // c)
                 self.stats.failed_blocks += len(failed)
-                self._errors.update(failed)
-            self._finished.add(spec.req_id)
+            self._finished[spec.req_id] = (last, failed)
 
     def _start_drafts(self, spec: LoadSpec) -> DraftJob | None:
         """A draft job over the request's compressed chunks, or ``None``. Drafting is an
@@ -222,43 +218,46 @@ class PagedTransfer:
         if not fut.done():
             fut.set_result(value)
 
-    def _write(self, full: Tensor, blocks: Tensor, lo: int, hi: int, layouts: list[pl.BlockLayout]) -> None:
-        """Write ``full`` (``KV_2LTD`` of positions ``[lo, hi)``) into each layer's paged cache."""
+    def _write(self, full: Tensor, blocks: Tensor, lo: int, hi: int) -> None:
+        """Write ``full`` (``KV_2LTD`` of positions ``[lo, hi)``, on the cache's device) into every
+        layer's paged cache."""
         slots = pl.slots_for(blocks, lo, hi, self.block_size)
-        _, _, t, width = full.shape
-        for li, (kv, layout) in enumerate(zip(self._layers, layouts)):
-            heads = kv.shape[1]
-            k, v = (full[p, li].view(t, heads, width // heads).transpose(0, 1) for p in (0, 1))
-            pl.scatter(kv, layout, slots, k, v)
+        layers, t = full.shape[1], full.shape[2]
+        k, v = full.view(2, layers, t, self.layout.kv_heads, self.layout.head_size).transpose(2, 3)
+        self.layout.scatter(slots, k, v)
 
     def save(self, specs: list[SaveSpec]) -> None:
         """Copy each chunk of ``specs`` out of the paged cache token-major now (its blocks may be
         reused after this step) and queue its ``put``; a full queue drops it (counted)."""
-        layouts = self._layouts_now()
         c = self.chunk_size
         for spec in specs:
             blocks = torch.tensor(spec.block_ids)
             for key, lo in spec.chunks:
                 slots = pl.slots_for(blocks, lo, lo + c, self.block_size)
-                ks, vs = zip(*(pl.gather(kv, layout, slots) for kv, layout in zip(self._layers, layouts)))
+                copy = self.io.save(lambda slots=slots: kv_to_2ltd(*self.layout.gather(slots)))
                 try:
-                    self._saves.put_nowait((key, kv_to_2ltd(torch.stack(ks), torch.stack(vs)), lo))
+                    if copy is None:
+                        raise queue.Full
+                    self._saves.put_nowait((self.space.rekey(key), copy, lo))
                 except queue.Full:
                     self.stats.save_dropped += 1
+                    if copy is not None:
+                        copy.release()
 
     def _write_loop(self) -> None:
         while True:
             item = self._saves.get()
             if item is None:
                 return
-            key, full, lo = item
+            key, copy, lo = item
             try:
-                self.store.put(key, full, start=lo)
+                self.store.put(key, copy.result(), start=lo)  # result(): after the device copy completed
                 self.stats.saved_chunks += 1
             except Exception as e:  # TierError, a dead server: the chunk is a later miss
                 self.stats.save_errors += 1
                 logger.warning("vericache connector: save failed (%s: %s)", type(e).__name__, e)
             finally:
+                copy.release()
                 self._saves.task_done()
 
     def flush(self, timeout: float = 60.0) -> None:
@@ -269,9 +268,12 @@ class PagedTransfer:
 
 
     def take_finished(self) -> set[str]:
-        """Requests whose load ended since the last call (successfully or not)."""
+        """Requests whose load ended, and whose writes completed on the device, since the last call
+        (successfully or not); their failed blocks go to :meth:`take_errors` now."""
         with self._lock:
-            done, self._finished = self._finished, set()
+            done = {rid for rid, (last, _) in self._finished.items() if last.ready()}
+            for rid in done:
+                self._errors.update(self._finished.pop(rid)[1])
         return done
 
     def take_errors(self) -> set[int]:

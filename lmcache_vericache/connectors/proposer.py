@@ -66,6 +66,8 @@ from ..engine.horizon import Horizon
 from ..engine.runtime import Segment
 from ..options import parse_options
 from . import paged_layout as pl
+from .kv_layout import KVLayout
+from .kv_layout import layout_for as kv_layout_for
 from .pay_gate import MAX_BYTES_RATIO, PayGate, weight_bytes
 from .vllm_model import runtime_for
 from .worker_context import ChunkSource, WorkerContext
@@ -161,11 +163,18 @@ class CompressedKVProposer:
 
     def __init__(self, vllm_config: Any):
         spec = vllm_config.speculative_config
+        pc = getattr(vllm_config, "parallel_config", None)
+        if pc is not None and (pc.tensor_parallel_size > 1 or pc.pipeline_parallel_size > 1):
+            # Its draft forwards run the rank's slice of the model outside vLLM's step: no collectives.
+            raise ValueError("CompressedKVProposer needs tensor_parallel_size = pipeline_parallel_size = 1 "
+                             f"(got {pc.tensor_parallel_size} / {pc.pipeline_parallel_size})")
         self.k = int(spec.num_speculative_tokens)
         self.opts = ProposerOptions.load(getattr(vllm_config, "additional_config", None), os.environ, self.k)
         self.compressor = compressors.get(self.opts.compressor, **self.opts.compressor_params)
         self.max_draft = self.opts.max_draft or self.k
         self.max_model_len = int(vllm_config.model_config.max_model_len)
+        cache = getattr(vllm_config, "cache_config", None)  # vLLM's block (kernel blocks may be smaller)
+        self.block_size: int | None = int(cache.block_size) if cache is not None else None
         self.context = WorkerContext.of(vllm_config)
         self.states: list[_State] = []
         self.stats = ProposerStats()
@@ -175,7 +184,7 @@ class CompressedKVProposer:
         self._ratios: dict[int, float] = {}  # id(compressor) -> share of entries its draft caches keep
         self.rt = None
         self._attn: list[torch.nn.Module] = []
-        self._caches: list[tuple[Tensor, pl.BlockLayout]] | None = None
+        self._layout: KVLayout | None = None  # vLLM's paged KV of the layers, read on first use
         self._block_table: Tensor | None = None
         self._first: list[tuple[np.ndarray, int]] = []  # load drafts proposed last step: (row, proposed)
 
@@ -377,21 +386,16 @@ class CompressedKVProposer:
             st.cache.n = valid - st.prefix
         st.tokens = row[:valid].copy()
 
-    def _kv_caches(self) -> list[tuple[Tensor, pl.BlockLayout]]:
-        if self._caches is None:
-            caches = []
-            for attn in self._attn:
-                kv = attn.kv_cache[0] if isinstance(attn.kv_cache, (list, tuple)) else attn.kv_cache
-                isa = getattr(attn, "isa", None)
-                if isa is None:
-                    raise RuntimeError("CompressedKVProposer needs vLLM's CPU attention backend (layer has no 'isa')")
-                caches.append((kv, pl.layout_for(kv, isa)))
-            self._caches = caches
-        return self._caches
+    def _kv_layout(self) -> KVLayout:
+        """The layout strategy of vLLM's caches (the CPU probe or the logical view: :mod:`.kv_layout`)."""
+        if self._layout is None:
+            caches = [a.kv_cache[0] if isinstance(a.kv_cache, (list, tuple)) else a.kv_cache for a in self._attn]
+            self._layout = kv_layout_for(caches, lambda: [getattr(a, "isa", None) for a in self._attn])
+        return self._layout
 
     def _read(self, block_ids: Tensor, start: int, stop: int) -> tuple[Tensor, Tensor]:
-        """Exact K, V of positions ``[start, stop)``: ``[layers, kv_heads, T, head_dim]`` each."""
-        caches = self._kv_caches()
-        slots = pl.slots_for(block_ids, start, stop, caches[0][0].shape[2])
-        ks, vs = zip(*(pl.gather(kv, layout, slots) for kv, layout in caches))
-        return torch.stack(ks), torch.stack(vs)
+        """Exact K, V of positions ``[start, stop)``: ``[layers, kv_heads, T, head_dim]`` each (on the
+        draft runtime's device)."""
+        layout = self._kv_layout()
+        k, v = layout.gather(pl.slots_for(block_ids, start, stop, self.block_size or layout.layers[0].shape[2]))
+        return k.cpu(), v.cpu()

@@ -18,13 +18,29 @@
   compressed chunks are fetched at once and handed to the drafter (the ``custom_class`` proposer of
   :mod:`.proposer`, which drafts the continuation over them with the target model's weights while
   the full chunks are in flight), and the full chunks are prefetched and written into the request's
-  blocks in vLLM's CPU layout (:mod:`.paged_layout`). A chunk that misses or fails its digest is
+  blocks through the cache's layout strategy (:mod:`.kv_layout`: the probed tile order on vLLM's CPU
+  backend, vLLM's logical ``[B, H, N, 2D]`` view on a GPU) and device IO (:mod:`.device_io`: on a
+  GPU a pinned host pool, a load and a save stream and an event per copy). A chunk that misses or fails its digest is
   reported through ``get_block_ids_with_load_errors``: vLLM recomputes from there (needs
   ``kv_load_failure_policy: recompute``; vLLM's default fails the request). ``wait_for_save`` copies
   each chunk to save out of the paged cache token-major (``KV_2LTD``) right after the forward and a
   writer thread ``put``\\ s it (full + compressed copy), off the forward's critical path.
 * The worker side's data movement (loads, shared reads, saves, their threads and failure rules)
   is :class:`~lmcache_vericache.connectors.paged_transfer.PagedTransfer`; the hooks here are thin.
+* **KV layout on a GPU.** The connector does not ask vLLM for a layout
+  (``get_required_kvcache_layout`` returns ``None``): the logical view indexes every
+  ``KVCacheLayout`` correctly, and a requirement would override the attention backend's preferred
+  order (and conflict with another connector's in a multi-connector setup) for no gain here.
+* **Tensor and pipeline parallelism.** Each rank stores and loads only its own slice, chunks
+  ``[2, layers of its stage, T, its KV heads * D]``, in a key space of its own (``KeySpace.shard``:
+  TP size and rank, local KV heads, PP size and stage, layer range; empty at TP = PP = 1, so those
+  spaces' ids and stored chunks are unchanged); a rank is never handed another rank's chunk. The
+  scheduler has no rank: it knows the world sizes and counts a chunk a hit only where *every* rank's
+  space has it (a prefix some rank cannot load is not offered), and plans a save unless every rank
+  has the chunk (a lookup costs one ``has_full`` per rank and chunk). Ranks run in processes of
+  their own, apart from the scheduler: they share chunks through a shared capacity tier (disk,
+  redis, ...); ``capacity: memory`` never hits there. Load-window drafting (``draft_tokens`` > 0)
+  is refused with TP or PP > 1: drafts from a side thread would need rank-synchronous collectives.
 * One store per engine, held by its :class:`~.worker_context.WorkerContext` (the scheduler and
   worker sides share it where vLLM runs them in one process), so ``capacity: memory`` works within
   one vLLM instance; share across instances with disk, redis, redis_cluster, lm or nixl.
@@ -51,6 +67,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ..backends import StoreConfig
 from ..backends.keys import KeySpace, folder_fingerprint
 from ..options import parse_options
+from .device_io import CpuIO, CudaIO, TorchCuda
+from .kv_layout import layout_for
 from .paged_transfer import ConnectorStats, LoadSpec, PagedTransfer, SaveSpec
 from .vllm_stats import IntervalCounter, VeriCacheConnectorPromMetrics, VeriCacheConnectorStats, snapshot
 from .worker_context import ChunkSource, WorkerContext
@@ -72,9 +90,13 @@ class ConnectorOptions:
     # chunks) and drafting beside it cost more than it saved (benchmarks/remote_prefix.py, docs/benchmarks.md).
     draft_tokens: int = 0
     load_timeout_s: float = 120.0  # a full chunk not read within this is a failed load (a hung store)
+    # Page-locked host memory for chunks crossing to and from a GPU (slabs of one chunk; a load waits
+    # for a free slab, a save without one is dropped). Unused on vLLM's CPU backend.
+    pinned_pool_bytes: int = 1 << 30
 
     def validate(self) -> None:
-        for name, low in (("chunk_size", 1), ("draft_tokens", 0), ("load_timeout_s", 1e-3)):
+        for name, low in (("chunk_size", 1), ("draft_tokens", 0), ("load_timeout_s", 1e-3),
+                          ("pinned_pool_bytes", 1 << 20)):
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
 
@@ -125,15 +147,14 @@ class VeriCacheConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.opts, config = parse_extra_config(extra)
-        mc = vllm_config.model_config
-        device = str(getattr(vllm_config.device_config, "device_type", "cpu"))
-        if device != "cpu":
-            raise ValueError(f"VeriCacheConnector runs on vLLM's CPU backend only (paged layout probed from its "
-                             f"CPU cache-write op); this vLLM runs on {device!r}")
-        pc = vllm_config.parallel_config
-        if pc.tensor_parallel_size > 1 or pc.pipeline_parallel_size > 1:
-            # Each rank would store its own heads / layers under one key (and load another rank's).
-            raise ValueError("VeriCacheConnector supports tensor_parallel_size = pipeline_parallel_size = 1 only")
+        mc, pc = vllm_config.model_config, vllm_config.parallel_config
+        self.tp, self.pp = int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size)
+        if self.opts.draft_tokens and (self.tp > 1 or self.pp > 1):
+            raise ValueError(f"{WHERE}: draft_tokens > 0 (load-window drafting) needs tensor_parallel_size = "
+                             f"pipeline_parallel_size = 1 (got {self.tp} / {self.pp}): drafts from a side thread "
+                             "would need rank-synchronous collectives")
+        if getattr(mc, "use_mla", False):
+            raise ValueError("VeriCacheConnector does not support MLA models (their paged KV has no K/V heads)")
         self.block_size = int(vllm_config.cache_config.block_size)
         if self.opts.chunk_size % self.block_size:
             raise ValueError(f"{WHERE}: chunk_size {self.opts.chunk_size} must be a multiple of vLLM's "
@@ -141,8 +162,11 @@ class VeriCacheConnector(KVConnectorBase_V1):
         if vllm_config.cache_config.cache_dtype not in ("auto", str(mc.dtype).removeprefix("torch.")):
             raise ValueError(f"{WHERE}: kv cache dtype {vllm_config.cache_config.cache_dtype!r} is not supported "
                              "(the store keeps the model dtype)")
-        self.config = config.with_heads(mc.get_total_num_kv_heads(), where=WHERE)
-        self.space = self._key_space(mc)
+        self.config = config.with_heads(mc.get_num_kv_heads(pc), where=WHERE)  # this rank's KV heads
+        # Every rank's space (index tp_rank + tp * pp_rank); the scheduler's keys are rank 0's.
+        self.spaces = self._rank_spaces(mc, pc)
+        rank = int(getattr(pc, "rank", 0)) if role == KVConnectorRole.WORKER else 0
+        self.space = self.spaces[rank % self.tp + self.tp * (rank // self.tp % self.pp)]
         self.context = WorkerContext.of(vllm_config)
         self.store = self.context.store_for(self.config)
         self.stats = ConnectorStats()
@@ -160,7 +184,30 @@ class VeriCacheConnector(KVConnectorBase_V1):
         self._loaded_once: set[str] = set()
         self.transfer: PagedTransfer | None = None  # worker side, from register_kv_caches
 
-    def _key_space(self, mc: Any) -> KeySpace:
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        return None  # any layout: the logical view indexes them all (module docstring)
+
+    def _rank_spaces(self, mc: Any, pc: Any) -> list[KeySpace]:
+        """The key space of each (TP rank, PP stage): its shard names its KV heads and layers."""
+        from vllm.distributed.utils import get_pp_indices
+
+        model = self._model_identity(mc)
+        heads, total = mc.get_num_kv_heads(pc), mc.get_total_num_hidden_layers()
+        spaces = []
+        for stage in range(self.pp):
+            lo, hi = get_pp_indices(total, stage, self.pp)
+            for r in range(self.tp):
+                shard = "" if self.tp == self.pp == 1 else f"tp{self.tp}.{r}.h{heads}/pp{self.pp}.{stage}.l{lo}-{hi}"
+                spaces.append(self.config.key_space(model=model, dtype=mc.dtype, chunk_size=self.opts.chunk_size,
+                                                    shard=shard))
+        return spaces
+
+    def _has_everywhere(self, key: str) -> bool:
+        """Every rank's space has the chunk ``key`` (a key of :attr:`space`) names."""
+        return all(self.store.has_full(sp.rekey(key)) for sp in self.spaces)
+
+    def _model_identity(self, mc: Any) -> str:
         model = self.config.model_id
         if model is None:
             folder = Path(str(mc.model))
@@ -168,7 +215,7 @@ class VeriCacheConnector(KVConnectorBase_V1):
                 raise ValueError(f"{WHERE}: model {mc.model!r} is not a local folder: set model_id to name its "
                                  "exact weights (keys must bind them)")
             model = folder_fingerprint(folder, mc.dtype)
-        return self.config.key_space(model=model, dtype=mc.dtype, chunk_size=self.opts.chunk_size)
+        return model
 
     # == scheduler side =============================================================================
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -181,7 +228,7 @@ class VeriCacheConnector(KVConnectorBase_V1):
         n, errors = 0, self.store.capacity.io_errors
         try:
             for key in keys:
-                if not self.store.has_full(key):
+                if not self._has_everywhere(key):
                     break
                 n += 1
         except Exception as e:  # a dead store is a miss, never an error
@@ -247,7 +294,7 @@ class VeriCacheConnector(KVConnectorBase_V1):
             return
         keys = self.space.token_keys(prompt[:upto])
         try:
-            chunks = [(keys[s // c], s) for s in range(done, upto, c) if not self.store.has_full(keys[s // c])]
+            chunks = [(keys[s // c], s) for s in range(done, upto, c) if not self._has_everywhere(keys[s // c])]
         except Exception as e:  # a dead store: nothing to save now
             logger.warning("vericache connector: store check failed (%s: %s); not saving", type(e).__name__, e)
             chunks = []
@@ -270,12 +317,19 @@ class VeriCacheConnector(KVConnectorBase_V1):
             found = re.findall(r"\d+", name)
             return int(found[0]) if found else 0
 
-        names = sorted(kv_caches, key=layer_index)
+        names = sorted(kv_caches, key=layer_index)  # this rank's layers (its PP stage's), in order
         ctx = self._vllm_config.compilation_config.static_forward_context
-        self.transfer = PagedTransfer(self.store, self.space, self.opts.chunk_size, self.block_size,
-                                      [kv_caches[n] for n in names], lambda: [getattr(ctx[n], "isa", None) for n in names],
+        layout = layout_for([kv_caches[n] for n in names], lambda: [getattr(ctx[n], "isa", None) for n in names])
+        if layout.kv_heads != self.config.num_kv_heads:
+            raise ValueError(f"VeriCacheConnector: the KV cache has {layout.kv_heads} heads per rank, the model "
+                             f"config {self.config.num_kv_heads}")
+        io = CpuIO()
+        if layout.device.type != "cpu":
+            chunk_bytes = 2 * layout.num_layers * self.opts.chunk_size * layout.width * layout.dtype.itemsize
+            io = CudaIO(TorchCuda(layout.device), chunk_bytes, self.opts.pinned_pool_bytes, self.opts.load_timeout_s)
+        self.transfer = PagedTransfer(self.store, self.space, self.opts.chunk_size, self.block_size, layout,
                                       self.opts.draft_tokens, self.opts.load_timeout_s, self.stats,
-                                      drafter=self.context.drafter)
+                                      drafter=self.context.drafter, io=io)
         atexit.register(self.transfer.flush)  # queued saves are written before the worker exits
         self.context.source = ChunkSource(self.store, self.space, self.opts.chunk_size)
 

@@ -14,6 +14,7 @@ from lmcache_vericache.backends.store import DualTierStore
 from lmcache_vericache.backends.tiers.memory import MemoryTier
 from lmcache_vericache.connectors import paged_layout as pl
 from lmcache_vericache.connectors.drafts import LoadDrafter
+from lmcache_vericache.connectors.kv_layout import CpuBlockLayout
 from lmcache_vericache.connectors.model_guard import ModelGuard
 from lmcache_vericache.connectors.paged_transfer import ConnectorStats, LoadSpec, PagedTransfer
 from lmcache_vericache.engine import Runtime
@@ -38,7 +39,7 @@ def test_a_drafting_failure_does_not_fail_the_load(tiny_model, caplog):
     stats = ConnectorStats()
     drafter = LoadDrafter(ModelGuard())
     drafter.attach(Runtime(tiny_model))
-    transfer = PagedTransfer(store, space, CHUNK, BLOCK, caches, lambda: ["vec"] * LAYERS, draft_tokens=8,
+    transfer = PagedTransfer(store, space, CHUNK, BLOCK, CpuBlockLayout(caches, lambda: ["vec"] * LAYERS), draft_tokens=8,
                              load_timeout_s=30, stats=stats, drafter=drafter)
     blocks = [5, 2, 7, 0, 3]  # 69 positions, not in order
     try:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lmcache_vericache.connectors import paged_layout as pl
+from lmcache_vericache.connectors.kv_layout import CpuBlockLayout
 from lmcache_vericache.connectors.proposer import CompressedKVProposer
 from lmcache_vericache.engine import Runtime, Segment
 
@@ -76,7 +77,7 @@ def make(tiny_model, compressor="none", **opts):
     p.rt = Runtime(tiny_model)
     rt = p.rt
     paged = [torch.zeros(12, rt.num_kv_heads, B, 2 * rt.head_dim) for _ in range(rt.num_layers)]
-    p._caches = [(c, pl.layout_for(c, "vec")) for c in paged]
+    p._layout = CpuBlockLayout(paged, lambda: ["vec"] * len(paged))
     return p, paged
 
 
