@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
@@ -34,7 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 PREFIX = "vllm:vericache_"
 
 #: counter name -> Prometheus documentation (the table above)
-COUNTERS: dict[str, str] = {
+COUNTERS: Mapping[str, str] = MappingProxyType({
     "lookups": "Prompts the VeriCache connector looked up in its store.",
     "lookup_errors": "Lookups the store failed (served as 0 hits).",
     "hit_tokens": "Prompt tokens the connector offered vLLM from its store.",
@@ -56,10 +57,10 @@ COUNTERS: dict[str, str] = {
     "rejected_unauthenticated": "Chunks whose MAC did not verify.",
     "draft_tokens_during_load": "Tokens drafted over compressed chunks while the full prefix loaded.",
     "draft_jobs_taken": "Load-window drafts the proposer used (first draft = sampled token).",
-}
+})
 
 # the counter -> where it comes from: (source, field) of the connector's own stats objects
-_SOURCES: dict[str, tuple[str, str]] = {
+_SOURCES: Mapping[str, tuple[str, str]] = MappingProxyType({
     "lookups": ("connector", "lookups"), "lookup_errors": ("connector", "lookup_errors"),
     "hit_tokens": ("connector", "hit_tokens"), "loads": ("connector", "loads"),
     "loaded_chunks": ("connector", "loaded_chunks"), "failed_chunks": ("connector", "failed_chunks"),
@@ -71,7 +72,7 @@ _SOURCES: dict[str, tuple[str, str]] = {
     "rejected_corrupt": ("store", "corrupt"), "rejected_invalid": ("store", "invalid"),
     "rejected_unauthenticated": ("store", "unauthenticated"),
     "draft_tokens_during_load": ("drafts", "during_load"), "draft_jobs_taken": ("drafts", "taken"),
-}
+})
 
 
 def snapshot(connector: Any, *, store: bool, drafts: Mapping[str, Any] | None) -> dict[str, float]:

@@ -11,11 +11,10 @@ import torch
 pytest.importorskip("vllm")
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
+from test_vericache_connector import CHUNK, blocks, request, vllm_config  # noqa: E402
 
 from lmcache_vericache.connectors.vericache_connector import VeriCacheConnector  # noqa: E402
 from lmcache_vericache.connectors.vllm_stats import COUNTERS, VeriCacheConnectorStats  # noqa: E402
-
-from test_vericache_connector import CHUNK, blocks, request, vllm_config  # noqa: E402
 
 
 @pytest.fixture
