@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from engine_helpers import random_prompts
 
 from lmcache_vericache.engine import VeriCacheEngine
 from lmcache_vericache.engine.lossy import first_divergence, loops
-
-from engine_helpers import random_prompts
 
 
 def test_a_lossless_draft_cache_alone_decodes_what_the_full_kv_does(tiny_model, one_thread):
