@@ -239,7 +239,7 @@ class VeriCacheEngine:
         laid out as :meth:`generate` lays it out), with no verification: what the lossy cache gives
         by itself. The first token comes from the exact prefill, as in :meth:`generate` (a prompt
         whose prefix the store holds: from its tail fed over the draft cache); output stops after
-        an EOS. ``on_step(i)`` runs after decode step ``i`` (progress)."""
+        an EOS. ``on_step(i)`` runs once token ``i`` is chosen (1: after the prefill; progress)."""
         reqs = self.setup_requests(prompts, max_new_tokens, Sampling(), 0, draft=True)
         for r in reqs:
             if len(r.tokens) == r.n_prompt:  # prefix from the store: the tail goes over the draft cache too
@@ -247,6 +247,8 @@ class VeriCacheEngine:
                 logits, _ = self.rt.forward(torch.tensor(r.tokens[r.start:]), torch.arange(r.start, r.start + n),
                                             [Segment(r.draft, n)], rows=torch.tensor([n - 1]))
                 r.emit([int(logits[0].argmax())], self.eos_ids)
+        if on_step is not None:
+            on_step(1)
         steps = max(r.remaining for r in reqs) + 1
         toks, _ = lossy.greedy(self.rt, [r.draft for r in reqs], [r.tokens[-1] for r in reqs],
                                [r.pos for r in reqs], steps, on_step=on_step)
