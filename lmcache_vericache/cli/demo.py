@@ -82,7 +82,7 @@ def _prompt_text(source: str, check_only: bool = False) -> str:
 
     if source == "humaneval":
         prompts = humaneval_prompts()  # raises with the install command when the data is missing
-        return "" if check_only else "".join(prompts)
+        return "" if check_only else "\n".join(prompts)
     path = Path(source)
     if not path.is_file():
         try:
@@ -188,7 +188,7 @@ def _run(args: argparse.Namespace, params: dict) -> dict:
         "max_new_tokens": new, "draft_len": args.draft_len,
         "new_tokens": len(res.tokens), "rounds": s.rounds, "tokens_per_round": s.mean_accepted,
         "drafted": drafted, "accepted": accepted, "acceptance": accepted / drafted if drafted else 0.0,
-        "identical": res.tokens == ref.tokens, "reference_loops": loops(ref.tokens),
+        "identical": res.tokens == ref.tokens, "reference_loops": loops(ref.tokens), "lossy_loops": loops(lossy.tokens),
         "lossy_first_divergence": div,
         "lossy_agreement": sum(a == b for a, b in zip(lossy.tokens, ref.tokens)) / max(1, len(ref.tokens)),
         "full_tok_s": full_tok_s, "vericache_tok_s": vc_tok_s, "speedup": vc_tok_s / full_tok_s,
