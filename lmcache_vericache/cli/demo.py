@@ -46,6 +46,9 @@ def add_parser(subparsers) -> None:
                    help=f"drafts per round, fixed (default {DEFAULT_DRAFT_LEN}); `vericache generate --draft-len "
                         "auto` chooses it from measured costs, and on a CPU at short contexts chooses plain decoding")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads (default 0: torch's choice); 1 on a host shared with other jobs, "
+                        "where threads spinning against each other slow every step")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
 
 
@@ -73,6 +76,8 @@ def _parse(args: argparse.Namespace) -> dict:
         raise ValueError(f"--max-new-tokens must be >= 2, got {args.max_new_tokens}")
     if not 1 <= args.draft_len <= MAX_DRAFT_LEN:
         raise ValueError(f"--draft-len must be in 1..{MAX_DRAFT_LEN}, got {args.draft_len}")
+    if args.threads < 0:
+        raise ValueError(f"--threads must be >= 0, got {args.threads}")
     _prompt_text(args.prompt, check_only=True)
     return params
 
@@ -125,6 +130,8 @@ def _run(args: argparse.Namespace, params: dict) -> dict:
     from ..engine.lossy import first_divergence, loops
     from ..models import load_model
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     say = Progress()
     t = time.perf_counter()
     names = kernels.names()

@@ -77,6 +77,7 @@ def test_defaults_are_valid_and_draft():
     (["--prompt", "no/such/file.py"], "--prompt: no file 'no/such/file.py'"),
     (["--prompt-tokens", "0"], "--prompt-tokens must be >= 1"),
     (["--max-new-tokens", "1"], "--max-new-tokens must be >= 2"),
+    (["--threads", "-1"], "--threads must be >= 0"),
 ])
 def test_bad_options_fail_before_the_model_loads(argv, message, capsys):
     assert demo.run(_args(*argv)) == 2  # in-process: no model is loaded on this path
