@@ -185,7 +185,7 @@ def _run(args: argparse.Namespace, params: dict) -> dict:
         comp = eng.compressor
     vc_tok_s = len(res.tokens) / vc_s
     s = res.stats
-    say(f"VeriCache: {len(res.tokens)} tokens at {vc_tok_s:.1f} tok/s (prefill {s.prefill_s:.1f} s); done", 0)
+    say(f"VeriCache: {len(res.tokens)} tokens at {vc_tok_s:.1f} tok/s (prefill {s.prefill_s:.1f} s); done")
 
     div = first_divergence(lossy.tokens, ref.tokens)
     drafted, accepted = sum(s.drafted), sum(s.accepted)
