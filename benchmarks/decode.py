@@ -62,6 +62,7 @@ from lmcache_vericache.backends import DualTierStore
 from lmcache_vericache.data import stdlib_source
 from lmcache_vericache.engine import Sampling, Segment, VeriCacheEngine
 from lmcache_vericache.engine.horizon import Horizon, fit_verify, rate
+from lmcache_vericache.engine.lossy import loops
 from lmcache_vericache.models import ensure_smollm2, load_model
 
 FILES = ["argparse.py", "typing.py", "inspect.py", "pathlib.py", "subprocess.py", "tarfile.py",
@@ -87,12 +88,6 @@ def timed(fn) -> tuple[float, list]:
     res = fn()
     wall = time.perf_counter() - t0
     return wall - sum(r.stats.prefill_s for r in res), res  # decode seconds: prefill excluded
-
-
-def loops(tokens: list[int], period_max: int = 64) -> bool:
-    """True if the output's tail is a repetition (the model fell into a loop)."""
-    tail = tokens[len(tokens) // 2:]
-    return any(all(tail[j] == tail[j + p] for j in range(len(tail) - p)) for p in range(1, min(period_max, len(tail))))
 
 
 def teacher_forced(eng: VeriCacheEngine, prompt: list[int], cont: list[int], horizon: int) -> float:

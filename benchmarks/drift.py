@@ -46,6 +46,7 @@ from lmcache_vericache.cli.compressors import format_params
 from lmcache_vericache.data import stdlib_source
 from lmcache_vericache.engine import Segment, VeriCacheEngine
 from lmcache_vericache.engine.cache import KVCache, append_chunks
+from lmcache_vericache.engine.lossy import first_divergence, greedy
 from lmcache_vericache.engine.runtime import Runtime
 from lmcache_vericache.models import load_model
 
@@ -85,22 +86,6 @@ def prefill(rt: Runtime, ids: list[int], room: int) -> tuple[KVCache, torch.Tens
     return full, logits[0], q.cpu()
 
 
-def greedy(rt: Runtime, caches: list[KVCache], first: int, pos: int, steps: int) -> tuple[list[list[int]], torch.Tensor]:
-    """``steps`` greedy tokens on each of ``caches`` (one flat batch per step: the step reads the
-    weights once for all of them), starting from ``first`` (already chosen) at ``pos``; per cache
-    the log-softmax of every step after the first ``[caches, steps - 1, V]``. Advances the caches."""
-    toks, lps = [[first] for _ in caches], []
-    for i in range(steps - 1):
-        logits, _ = rt.forward(torch.tensor([t[-1] for t in toks]), torch.full((len(caches),), pos + i),
-                               [Segment(c, 1) for c in caches])
-        lps.append(F.log_softmax(logits, -1))
-        for t, row in zip(toks, logits):
-            t.append(int(row.argmax()))
-        if len(caches) > 1 and (i + 2) % 64 == 0:
-            say(f"  step {i + 2}/{steps} on {len(caches)} lossy caches")
-    return toks, torch.stack(lps, 1)
-
-
 def lossy_cache(rt: Runtime, full: KVCache, n: int, comp, queries: torch.Tensor, room: int) -> tuple[KVCache, list]:
     """The engine's draft layout of an ``n``-token prompt: every complete chunk compressed (with the
     prefill's window queries) and decompressed, then the exact suffix. Returns it and the chunks."""
@@ -124,10 +109,6 @@ def ratio_bf16(rt: Runtime, full: KVCache, n: int, comp, queries: torch.Tensor) 
                             start=i * CHUNK, queries=queries.to(torch.bfloat16))
         fb, cb = fb + ckv.full_nbytes, cb + ckv.nbytes
     return fb / cb
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
 def main() -> None:
@@ -185,11 +166,12 @@ def main() -> None:
     for pi, ids in enumerate(ps):
         full, last, queries = prefill(rt, ids, steps + 2)
         first, lp0 = int(last.argmax()), F.log_softmax(last, -1)
-        [ref], _ = greedy(rt, [full.clone()], first, n, steps)  # full-KV greedy of this prompt, alone
+        [ref], _ = greedy(rt, [full.clone()], [first], [n], steps)  # full-KV greedy of this prompt, alone
         full_tokens.append(ref)
         progress(f"prompt {pi} ({FILES[pi]}): full-KV greedy", 0.2)
         drafts, chunks = zip(*(lossy_cache(rt, full, n, comps[m], queries, steps + 2) for m in names))
-        all_toks, all_lp = greedy(rt, list(drafts), first, n, steps)  # every method's lossy decoding
+        all_toks, all_lp = greedy(rt, list(drafts), [first] * len(drafts), [n] * len(drafts), steps, logprobs=True,
+                                  on_step=lambda i: i % 64 == 0 and say(f"  step {i}/{steps} on {len(names)} lossy caches"))
         progress(f"prompt {pi}: lossy decoding with {len(names)} methods", 0.5)
         for m, ckvs, toks, lossy_lp in zip(names, chunks, all_toks, all_lp):
             # teacher-forced full-KV forward over the lossy tokens: row i is the step i+1 distribution

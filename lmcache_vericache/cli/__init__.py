@@ -11,6 +11,7 @@ import sys
 SUBCOMMANDS = {
     "build-kernels": ".build_kernels",
     "compressors": ".compressors",
+    "demo": ".demo",
     "generate": ".generate",
     "lmcache-config": ".lmcache_config",
     "serve": ".serve",

@@ -32,7 +32,7 @@ import torch
 from .. import compressors
 from ..backends import DualTierStore, StoreConfig
 from ..backends.keys import KeySpace, model_fingerprint
-from . import int8_attention
+from . import int8_attention, lossy
 from .admission import Admission, Batch, Prompts
 from .config import EngineConfig, check_stagger, decoding_options, resolve_store, store_fields
 from .horizon import DraftLen, Horizon, check_draft_len
@@ -232,6 +232,33 @@ class VeriCacheEngine:
                 r.stats.verify_s += dt
                 r.emit([r.pick(row, sampling)], self.eos_ids)
         return [Result(r.out, r.stats, r.margins) for r in reqs]
+
+    def lossy(self, prompts: Prompts, max_new_tokens: int, *,
+              on_step: Callable[[int], None] | None = None) -> list[Result]:
+        """Greedy decoding on each prompt's draft cache alone (compressed prefix + exact suffix,
+        laid out as :meth:`generate` lays it out), with no verification: what the lossy cache gives
+        by itself. The first token comes from the exact prefill, as in :meth:`generate` (a prompt
+        whose prefix the store holds: from its tail fed over the draft cache); output stops after
+        an EOS. ``on_step(i)`` runs once token ``i`` is chosen (1: after the prefill; progress)."""
+        reqs = self.setup_requests(prompts, max_new_tokens, Sampling(), 0, draft=True)
+        for r in reqs:
+            if len(r.tokens) == r.n_prompt:  # prefix from the store: the tail goes over the draft cache too
+                n = len(r.tokens) - r.start
+                logits, _ = self.rt.forward(torch.tensor(r.tokens[r.start:]), torch.arange(r.start, r.start + n),
+                                            [Segment(r.draft, n)], rows=torch.tensor([n - 1]))
+                r.emit([int(logits[0].argmax())], self.eos_ids)
+        if on_step is not None:
+            on_step(1)
+        steps = max(r.remaining for r in reqs) + 1
+        toks, _ = lossy.greedy(self.rt, [r.draft for r in reqs], [r.tokens[-1] for r in reqs],
+                               [r.pos for r in reqs], steps, on_step=on_step)
+        out = []
+        for r, t in zip(reqs, toks):
+            r.tokens = r.tokens[:-1]
+            r.emit(t, self.eos_ids)
+            out.append(Result(r.out, r.stats))
+            r.release()
+        return out
 
     def setup_requests(self, prompts: Prompts, max_new: int, sampling: Sampling, seed: int, *, draft: bool,
                        stored_prefix: bool = False) -> list[Request]:
