@@ -22,6 +22,7 @@ nothing is drafted and serving is unchanged. Drafts are keyed by the prompt's to
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import threading
@@ -99,6 +100,17 @@ class LoadDrafter:
         self._thread: threading.Thread | None = None
         self._jobs: OrderedDict[tuple[int, ...], DraftJob] = OrderedDict()
         self._stats = DraftStats()
+        self._closed = False
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop every job and join the drafter thread (after its current forward); idempotent."""
+        with self._work:
+            self._closed = True
+            for job in self._active:
+                job._stop.set()
+            self._work.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
     def attach(self, rt: Runtime | None) -> None:
         """The runtime drafts run on (the proposer's, over vLLM's module); ``None`` turns drafting off."""
@@ -119,7 +131,7 @@ class LoadDrafter:
         thread. ``None`` if no runtime is attached, nothing is left to prefill, or the tail is longer
         than :data:`MAX_TAIL` (its prefill alone would hold the model for longer than a load is worth)."""
         rt = self._rt
-        if rt is None or n <= 0 or not ckvs or not 0 < len(prompt) - prefix <= MAX_TAIL:
+        if rt is None or self._closed or n <= 0 or not ckvs or not 0 < len(prompt) - prefix <= MAX_TAIL:
             return None
         cache = rt.new_cache(8)
         append_chunks(cache, ckvs, compressor, room=len(prompt) - prefix + n + 1)
@@ -133,6 +145,10 @@ class LoadDrafter:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, args=(rt,), name="vericache-draft", daemon=True)
                 self._thread.start()
+                # A daemon thread still inside a forward when the interpreter finalizes is killed
+                # as it takes the GIL back, inside torch's C++ frames: std::terminate ("terminate
+                # called without an active exception"). Stopped and joined before that.
+                atexit.register(self.close)
             self._work.notify()
         return job
 
@@ -171,8 +187,10 @@ class LoadDrafter:
                 for job in [j for j in self._active if not j.active]:
                     self._active.remove(job)
                     job.done.set()
-                while not self._active:
+                while not self._active and not self._closed:
                     self._work.wait()
+                if self._closed:
+                    return
                 jobs = list(self._active)
             self.guard.wait_idle()  # vLLM's steps first: drafting fills the gaps (the wait for a load)
             t0 = time.perf_counter()

@@ -178,10 +178,12 @@ class VeriCacheConnector(KVConnectorBase_V1):
         self._blocks: dict[str, list[int]] = {}
         self._prompts: dict[str, list[int]] = {}
         self._saved_to: dict[str, int] = {}  # prompt tokens before this are saved or known stored
-        # Requests whose load was handed to the worker: a second lookup (after a failed load, vLLM
-        # asks again) reports no hit, so a chunk the store lists but cannot serve is recomputed
-        # instead of being retried forever.
-        self._loaded_once: set[str] = set()
+        self._loads: dict[str, LoadSpec] = {}  # handed to the worker, until it reports them finished
+        # Where a request's failed load stopped (a chunk start): its later lookups (vLLM asks again
+        # after a failed load, and after a preemption) hit below it only, so a chunk the store lists
+        # but cannot serve is recomputed, not retried forever. A load that succeeded sets none: a
+        # preempted request loads its prefix again when it resumes.
+        self._load_cap: dict[str, int] = {}
         self.transfer: PagedTransfer | None = None  # worker side, from register_kv_caches
 
     @classmethod
@@ -219,11 +221,14 @@ class VeriCacheConnector(KVConnectorBase_V1):
 
     # == scheduler side =============================================================================
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        if not self.opts.load or request.request_id in self._loaded_once:
+        if not self.opts.load:
             return 0, False
         prompt = list(request.prompt_token_ids or [])
         # The last prompt token is always computed by vLLM (it samples the first output from it).
         keys = self.space.token_keys(prompt[:len(prompt) - 1])
+        keys = keys[:self._load_cap.get(request.request_id, len(prompt)) // self.opts.chunk_size]
+        if not keys:
+            return 0, False
         self.stats.lookups += 1
         n, errors = 0, self.store.capacity.io_errors
         try:
@@ -254,9 +259,8 @@ class VeriCacheConnector(KVConnectorBase_V1):
         c = self.opts.chunk_size
         prompt = list(request.prompt_token_ids)
         keys = self.space.token_keys(prompt[:stop])[start // c:]
-        self._pending[rid] = LoadSpec(rid, keys, list(blocks.get_block_ids()[0]), start, stop, prompt)
+        self._pending[rid] = self._loads[rid] = LoadSpec(rid, keys, list(blocks.get_block_ids()[0]), start, stop, prompt)
         self.stats.hit_tokens += num_external_tokens
-        self._loaded_once.add(rid)
         # Saves start at vLLM's own prefix: chunks that load are skipped (the store has them), chunks
         # that fail to load are recomputed by vLLM and stored again.
         self._saved_to[rid] = start
@@ -302,10 +306,27 @@ class VeriCacheConnector(KVConnectorBase_V1):
         if chunks:
             meta.saves.append(SaveSpec(rid, chunks, list(self._blocks[rid])))
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The workers' load reports (vLLM's ``KVConnectorOutput``): a finished load that left
+        blocks unwritten (``invalid_block_ids``, or the request in ``failed_recving``) caps its
+        request's later lookups at the chunk where it stopped."""
+        bad = connector_output.invalid_block_ids or set()
+        failed = connector_output.failed_recving or set()
+        bs, c = self.block_size, self.opts.chunk_size
+        for rid in connector_output.finished_recving or ():
+            spec = self._loads.pop(rid, None)
+            if spec is None:
+                continue  # finished (aborted) meanwhile
+            lost = [max(i * bs, spec.start) for i, b in enumerate(spec.block_ids)
+                    if b in bad and i * bs < spec.stop and (i + 1) * bs > spec.start]  # blocks this load wrote
+            if rid in failed:
+                lost.append(spec.start)
+            if lost:
+                self._load_cap[rid] = min(lost) // c * c
+
     def _forget(self, rid: str) -> None:
-        for d in (self._hits, self._pending, self._blocks, self._prompts, self._saved_to):
+        for d in (self._hits, self._pending, self._blocks, self._prompts, self._saved_to, self._loads, self._load_cap):
             d.pop(rid, None)
-        self._loaded_once.discard(rid)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._forget(request.request_id)

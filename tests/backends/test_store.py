@@ -306,3 +306,46 @@ def test_has_full_tracks_the_full_copy_not_the_compressed_one(tmp_path):
         assert store.has_full("k")
         tier.delete("k/full")
         assert store.contains("k") and not store.has_full("k")
+
+
+_HOT_RSS = r"""
+import gc, json, sys, tempfile, torch
+from lmcache_vericache.backends import StoreConfig
+
+def rss():
+    return next(int(ln.split()[1]) << 10 for ln in open("/proc/self/status") if ln.startswith("VmRSS"))
+
+bound, puts = int(sys.argv[1]), [int(n) for n in sys.argv[2:]]
+store = StoreConfig.parse({"capacity": "disk", "disk_path": tempfile.mkdtemp(), "hot_bytes": bound,
+                           "num_kv_heads": 3}).build()
+full = torch.randn(2, 30, 256, 192, generator=torch.Generator().manual_seed(0))  # SmolLM2, fp32
+store.put("warm", full)  # the put path's own buffers and lazy imports before the baseline
+store._hot.clear(); gc.collect()
+base, out, i = rss(), [], 0
+for n in puts:
+    for _ in range(n):
+        full[0, 0, 0, 0] = i
+        store.put(f"k{i}", full); i += 1
+    gc.collect(); out.append([rss() - base, store._hot.nbytes, len(store._hot)])
+print(json.dumps(out))
+"""
+
+
+def test_hot_tier_memory_stays_within_its_bound(tmp_path):
+    """The process's RSS growth from filling the hot tier (int8 chunks of SmolLM2's shape, 2x its
+    bound) stays within the bound plus a quarter, and does not grow with 4x more churn."""
+    import json
+    import subprocess
+    import sys
+
+    bound = 96 << 20
+    per_chunk = 3 << 20  # about the size of one compressed chunk here
+    script = tmp_path / "hot_rss.py"
+    script.write_text(_HOT_RSS)
+    done = subprocess.run([sys.executable, str(script), str(bound), str(2 * bound // per_chunk),
+                           str(4 * bound // per_chunk)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (filled, counted, entries), (churned, _, _) = json.loads(done.stdout.splitlines()[-1])
+    assert counted <= bound and entries > 20
+    assert filled <= 1.25 * bound, (filled >> 20, counted >> 20)
+    assert churned <= filled + bound // 8, (filled >> 20, churned >> 20)

@@ -77,8 +77,9 @@ def test_lookup_counts_leading_stored_chunks_and_plans_the_load(tmp_path):
     load = meta.loads[0]
     assert (load.start, load.stop, load.keys) == (128, 768, keys) and load.block_ids[:6] == list(range(10, 16))
     assert c.build_connector_meta(_empty_scheduler_output()).loads == []  # handed over once
-    # vLLM asks again after a failed load: no second hit (the store listed a chunk it could not
-    # serve), so the request is recomputed instead of retried forever.
+    # vLLM asks again after a load that failed at its first chunk: no second hit (the store listed
+    # a chunk it could not serve), so the request is recomputed instead of retried forever.
+    c.update_connector_output(_load_report("r1", invalid=set(range(10, 16))))
     assert c.get_num_new_matched_tokens(req, 128) == (0, False)
 
     # A gap stops the prefix; the last prompt token is never counted (vLLM computes it).
@@ -159,12 +160,113 @@ def test_bad_configuration_fails_naming_the_key(tmp_path):
 
 
 def _empty_scheduler_output():
-    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+    return _scheduler_output()
 
-    return SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData.make_empty(),
-                           num_scheduled_tokens={}, total_num_scheduled_tokens=0, scheduled_spec_decode_tokens={},
+
+def _scheduler_output(new=(), cached=(), resumed=()):
+    """vLLM's SchedulerOutput for one step: ``new`` requests (Request, block ids, tokens scheduled),
+    ``cached`` running ones (Request, new block ids or None, tokens scheduled), ``resumed`` ids
+    among them; each Request's ``num_computed_tokens`` is its count before the step, as vLLM sends."""
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    cached_data = CachedRequestData.make_empty()
+    for req, new_blocks, _ in cached:
+        cached_data.req_ids.append(req.request_id)
+        cached_data.new_block_ids.append((new_blocks,) if new_blocks is not None else None)
+        cached_data.num_computed_tokens.append(req.num_computed_tokens)
+        cached_data.num_output_tokens.append(req.num_output_tokens)
+    cached_data.resumed_req_ids = set(resumed)
+    scheduled = {r.request_id: n for r, _, n in (*new, *cached)}
+    return SchedulerOutput(scheduled_new_reqs=[NewRequestData.from_request(r, (b,)) for r, b, _ in new],
+                           scheduled_cached_reqs=cached_data, num_scheduled_tokens=scheduled,
+                           total_num_scheduled_tokens=sum(scheduled.values()), scheduled_spec_decode_tokens={},
                            scheduled_encoder_inputs={}, num_common_prefix_blocks=[], finished_req_ids=set(),
                            free_encoder_mm_hashes=[])
+
+
+def _load_report(rid: str, invalid: set[int] = frozenset()):
+    """The workers' output of the step in which ``rid``'s load ended (vLLM's KVConnectorOutput)."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    return KVConnectorOutput(finished_recving={rid}, invalid_block_ids=set(invalid))
+
+
+def _stored_prefix(c, n_tokens: int, n_stored: int, seed: int = 0) -> tuple[list[int], list[str]]:
+    """A random prompt of ``n_tokens`` whose first ``n_stored`` chunks the store holds; its keys."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, 49152, (n_tokens,), generator=g).tolist()
+    keys = c.space.token_keys(prompt)
+    for i in range(n_stored):
+        c.store.put(keys[i], torch.randn(2, 30, CHUNK, 192, generator=g), start=i * CHUNK)
+    return prompt, keys
+
+
+def _load(c, req, block_ids: list[int], local: int = 0) -> int:
+    """vLLM's scheduler admitting ``req`` with ``local`` tokens of its own cache: lookup, block
+    allocation, the step's metadata; returns the tokens handed to the worker to load."""
+    n, is_async = c.get_num_new_matched_tokens(req, local)
+    if not n:
+        return 0
+    assert is_async
+    c.update_state_after_alloc(req, blocks(block_ids), n)
+    req.num_computed_tokens = local + n  # vLLM counts the load as computed while it runs
+    loads = c.build_connector_meta(_empty_scheduler_output()).loads
+    assert [spec.req_id for spec in loads] == [req.request_id]
+    return loads[0].stop - loads[0].start
+
+
+def test_a_partly_served_prompt_saves_its_new_chunks(tmp_path):
+    """The store holds chunks 0-1 of a 5-chunk prompt: they load, and the chunks vLLM computes past
+    them (2-4) are saved, in the steps that complete them (chunked prefill), none twice."""
+    c = scheduler({"capacity": "disk", "disk_path": str(tmp_path / "kv")})
+    prompt, keys = _stored_prefix(c, 5 * CHUNK, 2)
+    req, ids = request("r", prompt), list(range(20, 30))
+    assert _load(c, req, ids) == 2 * CHUNK
+    c.update_connector_output(_load_report("r"))
+    # vLLM schedules the loaded request as new: 384 tokens, then the rest of the prompt.
+    meta = c.build_connector_meta(_scheduler_output(new=[(req, ids, 384)]))
+    assert [(s.req_id, s.chunks, s.block_ids) for s in meta.saves] == [("r", [(keys[2], 512)], ids)]
+    req.num_computed_tokens += 384
+    meta = c.build_connector_meta(_scheduler_output(cached=[(req, None, 5 * CHUNK - 896)]))
+    assert [(s.chunks, s.block_ids) for s in meta.saves] == [([(keys[3], 768), (keys[4], 1024)], ids)]
+    req.num_computed_tokens = 5 * CHUNK
+    assert c.build_connector_meta(_scheduler_output(cached=[(req, None, 1)])).saves == []
+
+
+def test_a_preempted_request_loads_again_and_a_failed_load_is_not_retried(tmp_path):
+    """vLLM's preemption frees a request's blocks and sets its computed tokens to 0; on resume it
+    asks the connector again. A load that succeeded loads again; one that failed at a chunk is
+    retried below that chunk only."""
+    from vllm.v1.request import RequestStatus
+
+    c = scheduler({"capacity": "disk", "disk_path": str(tmp_path / "kv")})
+    prompt, keys = _stored_prefix(c, 4 * CHUNK, 3)
+    ok, ids = request("ok", prompt), list(range(8))
+    assert _load(c, ok, ids) == 3 * CHUNK
+    c.update_connector_output(_load_report("ok"))
+    c.build_connector_meta(_scheduler_output(new=[(ok, ids, CHUNK)]))
+    # Scheduler._preempt_request, then the next schedule() looks the request up again.
+    ok.status, ok.num_computed_tokens = RequestStatus.PREEMPTED, 0
+    again = list(range(40, 48))
+    assert _load(c, ok, again) == 3 * CHUNK
+    c.update_connector_output(_load_report("ok"))
+    ok.status = RequestStatus.PREEMPTED  # resumed: sent as a cached request with all its blocks
+    meta = c.build_connector_meta(_scheduler_output(cached=[(ok, again, CHUNK)], resumed={"ok"}))
+    assert [(s.chunks, s.block_ids) for s in meta.saves] == [([(keys[3], 3 * CHUNK)], again)]
+
+    # A load that failed at chunk 1 (its blocks 2.. reported): vLLM recomputes from token 256, and
+    # a later lookup (after a preemption) loads chunk 0 only.
+    bad, ids = request("bad", prompt), list(range(60, 68))
+    assert _load(c, bad, ids) == 3 * CHUNK
+    c.update_connector_output(_load_report("bad", invalid={62, 63, 64, 65, 66, 67}))
+    bad.num_computed_tokens = 0
+    assert c.get_num_new_matched_tokens(bad, 0) == (CHUNK, True)
+    # Another request's failure in the same output does not touch this one's cap.
+    c.update_connector_output(_load_report("other", invalid={62}))
+    assert c.get_num_new_matched_tokens(request("fresh", prompt), 0) == (3 * CHUNK, True)
+    # Finishing the request forgets its cap (vLLM never reuses an id while it is live).
+    c.request_finished(bad, [])
+    assert c.get_num_new_matched_tokens(bad, 0) == (3 * CHUNK, True)
 
 
 def test_the_package_logs_through_vllms_handler_inside_vllm():
