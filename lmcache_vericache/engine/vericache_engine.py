@@ -40,8 +40,8 @@ from .ngram import NgramProposer
 from .prefill import Prefiller
 from .request import Request, Result
 from .rounds import Rounds
-from .swap import PinnedPool
 from .runtime import Runtime, Segment
+from .swap import PinnedPool
 from .verify import Sampling, host
 
 

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from engine_helpers import random_prompts
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lmcache_vericache.cli import main
@@ -17,8 +18,6 @@ from lmcache_vericache.engine import VeriCacheEngine, prefill, request, rounds, 
 from lmcache_vericache.engine.runtime import Runtime, Segment
 from lmcache_vericache.engine.swap import PinnedPool
 from lmcache_vericache.models import tiny_llama
-
-from engine_helpers import random_prompts
 
 TRANSFERS = {"aten::copy_", "aten::_to_copy", "aten::_foreach_copy_", "aten::lift_fresh"}
 
