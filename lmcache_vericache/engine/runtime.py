@@ -175,18 +175,21 @@ class _Batched:
         new_ok = ((i[None, :] <= i[:, None])[None] & (i < n[:, None])[:, None, :])[None, :, None]
         self.mask = torch.cat([past_ok, new_ok.expand(len(past), -1, -1, -1, -1)], -1)  # [L|1, B, 1, nmax, S+nmax]
         c0 = segments[0].cache
-        shape = (layers, b, c0.k.shape[1], self.smax, c0.k.shape[3])
-        self.k, self.v = c0.k.new_zeros(shape), c0.v.new_zeros(shape)
-        # Only valid entries: a stale one (NaN, say) would poison 0 * v. One multi-tensor copy per
-        # forward, not one per segment.
-        dst, src = [], []
-        for j, s in enumerate(segments):
-            c = s.cache
-            for li in ([slice(None)] if self.uniform else range(layers)):
-                m = c.length(0 if self.uniform else li)
-                dst += [self.k[li, j, :, :m], self.v[li, j, :, :m]]
-                src += [c.k[li, :, :m], c.v[li, :, :m]]
-        torch._foreach_copy_(dst, src)
+        if b == 1 and self.uniform:  # one segment (a prefill): its cache is the batch, no copy
+            self.k, self.v = c0.k[:, None, :, :self.smax], c0.v[:, None, :, :self.smax]
+        else:
+            shape = (layers, b, c0.k.shape[1], self.smax, c0.k.shape[3])
+            self.k, self.v = c0.k.new_zeros(shape), c0.v.new_zeros(shape)
+            # Only valid entries: a stale one (NaN, say) would poison 0 * v. One multi-tensor copy
+            # per forward, not one per segment.
+            dst, src = [], []
+            for j, s in enumerate(segments):
+                c = s.cache
+                for li in ([slice(None)] if self.uniform else range(layers)):
+                    m = c.length(0 if self.uniform else li)
+                    dst += [self.k[li, j, :, :m], self.v[li, j, :, :m]]
+                    src += [c.k[li, :, :m], c.v[li, :, :m]]
+            torch._foreach_copy_(dst, src)
         self.new_k: list[Tensor] = []
         self.new_v: list[Tensor] = []
 
