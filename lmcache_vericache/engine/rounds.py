@@ -192,7 +192,7 @@ class Rounds:
             # Stacked proposer: the drafter checks the n-gram guesses like a verifier (one-hot proposal
             # distribution), so the drafts it passes on still follow its own distribution q.
             onehot = [torch.nn.functional.one_hot(torch.tensor(t), logits.shape[-1]).float() for t in proposed]
-            k, nxt = accept(proposed, None if sampling.greedy else onehot, logits, sampling, r.gen, top)
+            k, nxt = _accept(proposed, None if sampling.greedy else onehot, logits, sampling, r.gen, top)
             new = proposed[:k] + [nxt]
             qs = [sampling.probs(logits[i]) for i in range(k + 1)] if not sampling.greedy else []
             r.draft.n -= len(proposed) - k  # drop the KV of rejected guesses
@@ -234,7 +234,7 @@ class Rounds:
         """Accept a prefix of the drafts from the verify block's ``logits`` (``top``: their argmax,
         greedy), commit, start the next round."""
         t = r.pos
-        k, nxt = accept(r.drafts, r.qs if not self.sampling.greedy else None, logits, self.sampling, r.gen, top)
+        k, nxt = _accept(r.drafts, r.qs if not self.sampling.greedy else None, logits, self.sampling, r.gen, top)
         # Commit the exact KV of the fed tokens that were accepted: tokens[start:] and drafts[:k].
         r.full.n = t + k + 1
         r.draft.n = t - r.prefix + k + 1
@@ -284,3 +284,11 @@ class Rounds:
         M.ENGINE_ACCEPTED.observe(accepted)
         M.ENGINE_DRAFTED.inc(len(r.drafts))
         M.ENGINE_EMITTED.inc(r.stats.new_tokens - emitted)
+
+
+def _accept(drafts: list[int], q: list[Tensor] | None, logits: Tensor, sampling: Sampling,
+            gen: torch.Generator | None, top: list[int] | None) -> tuple[int, int]:
+    """:func:`~.verify.accept`, given the rows' argmax where the step read it (greedy)."""
+    if top is None:
+        return accept(drafts, q, logits, sampling, gen)
+    return accept(drafts, q, logits, sampling, gen, target=top)
