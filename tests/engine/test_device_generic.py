@@ -172,5 +172,6 @@ def test_pinned_pool_reuses_a_bounded_set_of_buffers():
     pool.give(a, event)
     waiter.join(5)
     assert got and got[0] is a and event.synced
+    pool.give(b)
     buf, view = pool.stage(torch.arange(6, dtype=torch.float32).view(2, 3))
     assert buf is b and view.tolist() == [[0, 1, 2], [3, 4, 5]]
