@@ -40,6 +40,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"],
+                   help="where the model and the KV live: cpu (default; the C++ kernels), cuda (one attention "
+                        "call per layer for the batch, pinned-pool swaps, no int8 drafter), or auto (cuda if "
+                        "available)")
     p.add_argument("--source", default=None, choices=["memory", "file", "resident"],
                    help="where the full prefix KV lives between verifications (default memory)")
     p.add_argument("--store-config", default=None, metavar="JSON",
@@ -100,8 +104,22 @@ def _decoding(args: argparse.Namespace) -> dict:
     return {k: v for k, v in out.items() if v is not None or k == "sketch_bits"}
 
 
+def resolve_device(name: str) -> str:
+    """``--device`` as a torch device name, checked before the model loads."""
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available (torch.cuda.is_available() is False); "
+                         "use --device cpu or auto")
+    return name
+
+
 def _parse(args: argparse.Namespace) -> tuple[dict | None, int | str, dict | None]:
     from ..backends import StoreConfig
+
+    args.device = resolve_device(args.device)
 
     params = _json_object(args.compressor_params, "--compressor-params")
     store_config = _json_object(args.store_config, "--store-config")
@@ -177,7 +195,7 @@ def _run(args: argparse.Namespace) -> int:
         if not path.is_file():
             raise ValueError(f"prompt file not found: {path}")
         text = path.read_text(encoding="utf-8", errors="replace")
-        model, tok = load_model(args.model, dtype=getattr(torch, args.dtype))
+        model, tok = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
         ids = tok(text, add_special_tokens=False)["input_ids"]
         if args.prompt_tokens:
             ids = ids[:args.prompt_tokens]
@@ -194,7 +212,8 @@ def _run(args: argparse.Namespace) -> int:
         eng = VeriCacheEngine(model, args.compressor, params, draft_len=draft_len, store=store,
                               mode=decoding.pop("mode", None), verkv=decoding,
                               ngram=NgramProposer() if args.ngram else None, full_kv=args.full_kv,
-                              kv_budget_bytes=args.kv_budget_bytes, verify_buffers=args.verify_buffers)
+                              kv_budget_bytes=args.kv_budget_bytes, verify_buffers=args.verify_buffers,
+                              device=args.device)
         [res] = eng.generate([ids], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                              top_p=args.top_p, seed=args.seed)
     except (ValueError, TierError) as e:
@@ -215,7 +234,7 @@ def _run(args: argparse.Namespace) -> int:
         "swap_s": s.swap_s, "swap_wait_s": s.swap_wait_s, "prefill_s": s.prefill_s, "ttft_s": s.ttft_s,
         "cached_chunks": s.cached_chunks, "recomputed_chunks": s.recomputed_chunks,
         "full_kv": eng.last_run["full_kv"], "peak_kv_bytes": eng.last_run["peak_kv_bytes"],
-        "mode": eng.mode, "kvfetch": s.kvfetch,
+        "mode": eng.mode, "kvfetch": s.kvfetch, "device": args.device,
         "store": dataclasses.asdict(eng.store.stats) if eng.store is not None else None,
     }
     if args.reference:

@@ -57,6 +57,29 @@ class EngineConfig:
         return prompt_len + max_new + self.max_draft_len + 2
 
 
+def check_device(model: Any, device: Any) -> None:
+    """Refuse a ``device`` the engine cannot run on: unknown, unavailable, or not where every weight
+    of ``model`` is (``None``: wherever the model is, one device)."""
+    import torch
+
+    where = {p.device for p in model.parameters()}
+    if len(where) > 1:
+        raise ValueError(f"the model's weights are on several devices {sorted(map(str, where))}; the engine "
+                         "runs on one")
+    if device is None:
+        return
+    try:
+        want = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or a torch.device, got {device!r}") from e
+    if want.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: no CUDA device is available (torch.cuda.is_available() is False)")
+    [have] = where or {torch.device("cpu")}
+    if have.type != want.type or (want.index is not None and have.index != want.index):
+        raise ValueError(f"device={device!r} but the model's weights are on {have}; move the model first "
+                         f"(model.to({str(want)!r})) or pass device=None")
+
+
 def check_stagger(stagger: Any) -> bool | str:
     if not (isinstance(stagger, bool) or stagger == "auto"):
         raise ValueError(f"stagger must be True, False or 'auto', got {stagger!r}")

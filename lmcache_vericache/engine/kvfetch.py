@@ -14,6 +14,9 @@ its query heads' plans and are known exactly to all of them (a choice made from 
 Where things live: the resident part (the sample and the tokens kept for sure) is what a GPU would
 hold; the full K/V (``full_k``/``full_v``, the store's full tier, in host memory) is read only for
 fetched tokens. On a CPU both are host memory, so fetches are *counted* (``stats``), not timed.
+A prefix lives on its ``device`` (the draft cache's): its chunks are moved there as they are
+appended, and off the CPU a step attends every KV head at once over a mask of the known and
+drawn tokens (no per-head gather, no host sync; the counters stay on the device until read).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ class FetchStats:
     tokens_attended: int = 0  # prefix tokens per KV head and layer, summed over steps (traffic base)
 
     def as_dict(self) -> dict[str, float]:
-        d = dict(vars(self))
+        d = {k: int(v) for k, v in vars(self).items()}  # device counters are read here, once
         d["fetch_fraction"] = self.tokens_fetched / max(1, self.tokens_attended)
         d["fetching_decision_fraction"] = self.fetching_decisions / max(1, self.decisions)
         return d
@@ -66,6 +69,7 @@ class CertifiedPrefix:
     epsilon: float = 0.05
     delta: float = 0.1
     sketch_bits: int | None = 2
+    device: torch.device | str = "cpu"
     layers: list[_Layer | None] = field(default_factory=list)
     stats: FetchStats = field(default_factory=FetchStats)
 
@@ -79,13 +83,14 @@ class CertifiedPrefix:
         if not is_poisson_sample(ckv.method, ckv.params):
             raise ValueError(f"KVFetch needs PoissonComp chunks (their inclusion probabilities), got {ckv.method}")
         h, d = ckv.num_kv_heads, ckv.head_dim
-        t = full.shape[2]
+        t, dev = full.shape[2], self.device
+        full = full.to(dev, non_blocking=True)
         for li, parts in enumerate(ckv.buffers_by_layer()):
             k = full[0, li].view(t, h, d).transpose(0, 1).contiguous()
             v = full[1, li].view(t, h, d).transpose(0, 1).contiguous()
-            drawn = torch.zeros(h, t, dtype=torch.bool)
-            drawn.scatter_(1, parts["pos"].long(), parts["in"].bool())
-            new = _Layer(parts["r"].float(), drawn, self._sketch(k), k, v)
+            drawn = torch.zeros(h, t, dtype=torch.bool, device=dev)
+            drawn.scatter_(1, parts["pos"].to(dev).long(), parts["in"].to(dev).bool())
+            new = _Layer(parts["r"].to(dev).float(), drawn, self._sketch(k), k, v)
             old = self.layers[li]
             self.layers[li] = new if old is None else _Layer(*(torch.cat([a, b], dim=1) for a, b in zip(
                 (old.r, old.drawn, old.sketch, old.full_k, old.full_v),
@@ -109,15 +114,15 @@ class CertifiedPrefix:
         return total
 
     def clone(self) -> CertifiedPrefix:
-        return CertifiedPrefix(self.num_layers, self.epsilon, self.delta, self.sketch_bits, list(self.layers),
-                               FetchStats(**vars(self.stats)))
+        return CertifiedPrefix(self.num_layers, self.epsilon, self.delta, self.sketch_bits, self.device,
+                               list(self.layers), FetchStats(**vars(self.stats)))
 
     def attend(self, q: Tensor, layer: int, scale: float) -> tuple[Tensor, Tensor]:
         """Query rows ``q [H, m, D]`` over this layer's prefix: ``(out [H, m, D], lse [H, m])`` float32."""
         h, m, d = q.shape
         lay = self.layers[layer]
         if lay is None:
-            return torch.zeros(h, m, d), torch.full((h, m), float("-inf"))
+            return torch.zeros(h, m, d, device=q.device), torch.full((h, m), float("-inf"), device=q.device)
         qf = q.float()
         s_hat = (qf @ lay.sketch.transpose(1, 2)) * scale  # [H, m, T]
         w_hat = (s_hat - s_hat.amax(-1, keepdim=True)).exp()
@@ -128,13 +133,21 @@ class CertifiedPrefix:
         in_l = ~known & (r < 1)
         lam, _ = shrinkage(w_hat, r, in_l)
         mult = estimate(w_hat, r, known, lay.drawn[:, None].expand_as(w_hat), lam)  # [H, m, T]
-        st = self.stats
+        st, cpu = self.stats, q.device.type == "cpu"
         st.decisions += h * m
-        st.fetching_decisions += int(fetch.any(-1).sum())
-        n_new = int((fetched & ~lay.drawn).sum())  # the drawn tokens are resident already
-        st.tokens_fetched += n_new
-        st.bytes_fetched += n_new * 2 * d * lay.full_k.element_size()
+        fetching = fetch.any(-1).sum()
+        n_new = (fetched & ~lay.drawn).sum()  # the drawn tokens are resident already
+        st.fetching_decisions += int(fetching) if cpu else fetching
+        st.tokens_fetched += int(n_new) if cpu else n_new
+        st.bytes_fetched += (int(n_new) if cpu else n_new) * 2 * d * lay.full_k.element_size()
         st.tokens_attended += h * lay.r.shape[1]
+        if not cpu:  # every head at once over its known and drawn tokens; the others masked out
+            seen = fetched | lay.drawn  # [H, T]
+            logits = (qf @ lay.full_k.float().transpose(1, 2)) * scale + mult.log()
+            logits = logits.masked_fill(~seen[:, None], float("-inf"))
+            lse = logits.logsumexp(-1)
+            out = (logits - lse[..., None]).exp().nan_to_num(0.0) @ lay.full_v.float()  # a head seeing nothing: 0
+            return out, lse
         out, lse = torch.empty(h, m, d), torch.empty(h, m)
         for head in range(h):  # attended entries differ per KV head: the known and the drawn ones
             idx = (fetched[head] | lay.drawn[head]).nonzero().squeeze(1)

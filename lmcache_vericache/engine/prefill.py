@@ -21,6 +21,7 @@ from .int8_attention import Int8Prefix
 from .kvfetch import CertifiedPrefix
 from .request import Request
 from .runtime import Runtime, Segment
+from .verify import host
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +67,8 @@ class Prefiller:
                     poison_prefix(r.full, r.prefix)
                 return None
         logits, queries = self.prefill(r)
-        r.queries = None if queries is None else queries.cpu()
-        self._layout_draft(r, keys, self._store_prompt(r, keys, queries))
+        r.queries = None if queries is None else host(queries)
+        self._layout_draft(r, keys, self._store_prompt(r, keys, r.queries))
         return logits
 
     def _load_full_prefix(self, r: Request, keys: list[str]) -> int:
@@ -164,7 +165,7 @@ class Prefiller:
         compressed chunks back from it. A failed put ends the stored prefix there: that chunk and
         the rest stay resident in both caches (exact), so a broken store costs speed, not tokens."""
         c, heads = self.chunk_size, self.rt.num_kv_heads
-        q = None if queries is None else queries.cpu()
+        q = queries  # on the host already (setup)
         n = len(r.tokens) // c
         if self.store is None:  # resident baseline: no store, compress here
             return [self.compressor.compress(r.full.to_2ltd(i * c, (i + 1) * c), heads, start=i * c, queries=q)
@@ -192,7 +193,7 @@ class Prefiller:
         if self.int8_draft:
             r.draft.packed = Int8Prefix.empty(self.rt.num_layers, self.rt.num_kv_heads, self.rt.head_dim)
         if self.kvfetch is not None:
-            r.draft.packed = CertifiedPrefix(self.rt.num_layers, **self.kvfetch)
+            r.draft.packed = CertifiedPrefix(self.rt.num_layers, **self.kvfetch, device=self.rt.device)
             c = self.chunk_size
             full = full or [r.full.to_2ltd(i * c, (i + 1) * c) for i in range(len(ckvs))]
         append_chunks(r.draft, ckvs, self.compressor, room=len(r.tokens) - r.prefix + r.max_new + self.draft_room,

@@ -13,7 +13,7 @@ from .cache import KVCache
 from .horizon import Horizon
 from .kvfetch import CertifiedPrefix
 from .swap import SwapIn
-from .verify import Sampling
+from .verify import Sampling, host
 
 
 @dataclass
@@ -137,6 +137,7 @@ class Request:
 
     def pick(self, logits: torch.Tensor, sampling: Sampling) -> int:
         """The target's own next token from ``logits``; records the top-1 minus top-2 margin."""
+        logits = host(logits)  # one read of the row, then everything on the host
         top2 = logits.topk(2).values
         self.margins.append(float(top2[0] - top2[1]))
         return sampling.pick(logits, self.gen)[0]

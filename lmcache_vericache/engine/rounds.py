@@ -31,8 +31,8 @@ from .prefill import Prefiller
 from .request import Request
 from .residency import Residency
 from .runtime import Runtime, Segment
-from .swap import SwapIn
-from .verify import Sampling, accept
+from .swap import PinnedPool, SwapIn
+from .verify import Sampling, accept, host
 
 logger = logging.getLogger(__name__)
 Tensor = torch.Tensor
@@ -87,11 +87,11 @@ class Rounds:
     def __init__(self, rt: Runtime, prefiller: Prefiller, store: DualTierStore | None, *, chunk_size: int,
                  query_window: int, eos_ids: set[int], ngram: NgramProposer | None, verkv: bool,
                  sampling: Sampling, res: Residency, batch_horizon: Horizon | None,
-                 on_round: Callable[[Request], None] | None):
+                 on_round: Callable[[Request], None] | None, swap_pool: PinnedPool | None = None):
         self.rt, self.prefiller, self.store = rt, prefiller, store
         self.chunk_size, self.query_window, self.eos_ids = chunk_size, query_window, eos_ids
         self.ngram, self.verkv, self.sampling, self.res = ngram, verkv, sampling, res
-        self.batch_horizon, self.on_round = batch_horizon, on_round
+        self.batch_horizon, self.on_round, self.swap_pool = batch_horizon, on_round, swap_pool
         self._verified: list[VerifiedRound] = []
 
     # -- a round starts -----------------------------------------------------------------------------
@@ -103,7 +103,7 @@ class Rounds:
         if self.res.offload:  # a verify cache when its turn comes (first come, first served)
             self.res.waiting.append(r)
         elif r.prefix_missing:  # resident: a prefix read from the store is swapped in once
-            r.swap = SwapIn(self.store, r.keys, r.full, self.chunk_size)
+            r.swap = SwapIn(self.store, r.keys, r.full, self.chunk_size, self.swap_pool)
 
     def limit(self, r: Request) -> int:
         """Drafts of ``r``'s round: its horizon's L, capped by the tokens it still may emit (a
@@ -129,7 +129,7 @@ class Rounds:
                 full.k[:, :, r.prefix:r.start], full.v[:, :, r.prefix:r.start] = k, v
             full.n, r.full = r.start, full
             if r.prefix:
-                r.swap = SwapIn(self.store, r.keys, full, self.chunk_size)
+                r.swap = SwapIn(self.store, r.keys, full, self.chunk_size, self.swap_pool)
 
     # -- one forward --------------------------------------------------------------------------------
     def step(self, drafting: list[Request], verifying: list[Request]) -> None:
@@ -149,18 +149,24 @@ class Rounds:
         t0 = time.perf_counter()
         logits, _ = self.rt.forward(torch.tensor(inputs.tokens), torch.tensor(inputs.positions), inputs.segments,
                                     rows=torch.tensor(inputs.rows))
+        # One read to the host per forward: every row's argmax (greedy) or the logits (sampling,
+        # whose generators live on the host). It waits for the forward, so it is inside the timing.
+        picks = host(logits.argmax(-1)).tolist() if self.sampling.greedy else None
+        if picks is None:
+            logits = host(logits)
         dt = time.perf_counter() - t0
         for f in feeds:
-            r, rows = f.request, logits[f.row:f.row + len(f.guesses) + 1]
+            span = slice(f.row, f.row + len(f.guesses) + 1)
+            r, rows, top = f.request, logits[span], picks[span] if picks is not None else None
             if f.verify:
                 r.stats.verify_s += dt
                 r.round_verify_s = dt
-                self.verify(r, rows)
+                self.verify(r, rows, top)
             else:
                 r.stats.draft_s += dt
                 r.round_draft_s += dt
                 r.stats.draft_steps += 1
-                self._take_drafts(r, f.guesses, rows)
+                self._take_drafts(r, f.guesses, rows, top)
         if self._verified:  # lock step: the batch's horizon learns from every round of this forward
             done, self._verified = self._verified, []
             steps = [v.draft_step_s for v in done if v.drafted > 0]  # capped last rounds may not draft
@@ -179,18 +185,19 @@ class Rounds:
                 r.swap.cancel()
                 r.swap = None
 
-    def _take_drafts(self, r: Request, proposed: list[int], logits: Tensor) -> None:
+    def _take_drafts(self, r: Request, proposed: list[int], logits: Tensor, top: list[int] | None) -> None:
+        """``top``: the rows' argmax (greedy), read to the host with the forward's."""
         sampling = self.sampling
         if proposed:
             # Stacked proposer: the drafter checks the n-gram guesses like a verifier (one-hot proposal
             # distribution), so the drafts it passes on still follow its own distribution q.
             onehot = [torch.nn.functional.one_hot(torch.tensor(t), logits.shape[-1]).float() for t in proposed]
-            k, nxt = accept(proposed, None if sampling.greedy else onehot, logits, sampling, r.gen)
+            k, nxt = _accept(proposed, None if sampling.greedy else onehot, logits, sampling, r.gen, top)
             new = proposed[:k] + [nxt]
             qs = [sampling.probs(logits[i]) for i in range(k + 1)] if not sampling.greedy else []
             r.draft.n -= len(proposed) - k  # drop the KV of rejected guesses
         else:
-            nxt, q = sampling.pick(logits[-1], r.gen)
+            nxt, q = (top[-1], None) if top is not None else sampling.pick(logits[-1], r.gen)
             new, qs = [nxt], [q] if q is not None else []
         room = r.limit - len(r.drafts)
         new, qs = new[:room], qs[:room]
@@ -223,10 +230,11 @@ class Rounds:
         r.prefix_missing = False
 
     # -- a round ends -------------------------------------------------------------------------------
-    def verify(self, r: Request, logits: Tensor) -> None:
-        """Accept a prefix of the drafts from the verify block's ``logits``, commit, start the next round."""
+    def verify(self, r: Request, logits: Tensor, top: list[int] | None = None) -> None:
+        """Accept a prefix of the drafts from the verify block's ``logits`` (``top``: their argmax,
+        greedy), commit, start the next round."""
         t = r.pos
-        k, nxt = accept(r.drafts, r.qs if not self.sampling.greedy else None, logits, self.sampling, r.gen)
+        k, nxt = _accept(r.drafts, r.qs if not self.sampling.greedy else None, logits, self.sampling, r.gen, top)
         # Commit the exact KV of the fed tokens that were accepted: tokens[start:] and drafts[:k].
         r.full.n = t + k + 1
         r.draft.n = t - r.prefix + k + 1
@@ -276,3 +284,11 @@ class Rounds:
         M.ENGINE_ACCEPTED.observe(accepted)
         M.ENGINE_DRAFTED.inc(len(r.drafts))
         M.ENGINE_EMITTED.inc(r.stats.new_tokens - emitted)
+
+
+def _accept(drafts: list[int], q: list[Tensor] | None, logits: Tensor, sampling: Sampling,
+            gen: torch.Generator | None, top: list[int] | None) -> tuple[int, int]:
+    """:func:`~.verify.accept`, given the rows' argmax where the step read it (greedy)."""
+    if top is None:
+        return accept(drafts, q, logits, sampling, gen)
+    return accept(drafts, q, logits, sampling, gen, target=top)

@@ -16,8 +16,11 @@ an HF ``*ForCausalLM`` or vLLM's module); this loop owns everything about the KV
   the package's C++ kernel (``kernels/dense_attention.cpp``, ``causal=n`` for a block: each K/V
   row read once for all rows of its KV head), not PyTorch's flash kernel (it splits a decode
   step's few rows per KV head over too few work items); full-KV decoding, the baseline of every
-  benchmark, uses it too. Elsewhere the block's part before it (flash) and its causal n x n part
-  are merged by log-sum-exp.
+  benchmark, uses it too. Elsewhere (``batched``: any non-CPU device) the whole batch attends in one
+  scaled-dot-product call per layer (:class:`_Batched`: segments padded to the longest, a mask for
+  each one's cache length and causal block), so the ops of a step do not grow with its segments
+  (a GPU launches one kernel per op); a prefix attended by its own code (KVFetch) keeps the
+  per-segment path.
 """
 
 from __future__ import annotations
@@ -146,16 +149,93 @@ def _merge(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> tuple[Tensor, 
     return (o1 * w1[..., None] + o2 * w2[..., None]) / (w1 + w2)[..., None], m + (w1 + w2).log()
 
 
+class _Batched:
+    """One forward's segments as one padded batch: ``B`` segments of up to ``nmax`` tokens over
+    their caches' entries before the forward (copied into one padded buffer per forward, up to
+    ``smax``), attended in one call per layer; the new K/V reach the caches after the last layer
+    (:meth:`write`). Every index and mask is built on the device from one small host copy."""
+
+    def __init__(self, segments: list[Segment], starts: list[int], layers: int, device: torch.device):
+        self.segments, self.starts = segments, starts
+        b = len(segments)
+        self.uniform = all(len(set(s.cache.base)) == 1 for s in segments)
+        # past entries per (layer, segment); one row for all layers where every cache's base is uniform
+        past = [[s.cache.length(li) for s in segments] for li in (range(layers) if not self.uniform else [0])]
+        ns = [s.n for s in segments]
+        self.nmax, self.smax = max(ns), max(max(row) for row in past)
+        qi = [st + min(i, n - 1) for st, n in zip(starts, ns) for i in range(self.nmax)]  # padded row -> token
+        oi = [j * self.nmax + i for j, n in enumerate(ns) for i in range(n)]  # token -> padded row
+        host = torch.tensor([x for row in past for x in row] + ns + qi + oi, dtype=torch.long)
+        idx = host.to(device, non_blocking=True)
+        p = len(past) * b
+        past_len, n = idx[:p].view(len(past), b), idx[p:p + b]
+        self.qi, self.oi = idx[p + b:p + b + len(qi)], idx[p + b + len(qi):]
+        j, i = torch.arange(self.smax, device=device), torch.arange(self.nmax, device=device)
+        past_ok = (j < past_len[..., None])[:, :, None, None, :].expand(-1, -1, 1, self.nmax, -1)
+        new_ok = ((i[None, :] <= i[:, None])[None] & (i < n[:, None])[:, None, :])[None, :, None]
+        self.mask = torch.cat([past_ok, new_ok.expand(len(past), -1, -1, -1, -1)], -1)  # [L|1, B, 1, nmax, S+nmax]
+        c0 = segments[0].cache
+        if b == 1 and self.uniform:  # one segment (a prefill): its cache is the batch, no copy
+            self.k, self.v = c0.k[:, None, :, :self.smax], c0.v[:, None, :, :self.smax]
+        else:
+            shape = (layers, b, c0.k.shape[1], self.smax, c0.k.shape[3])
+            self.k, self.v = c0.k.new_zeros(shape), c0.v.new_zeros(shape)
+            # Only valid entries: a stale one (NaN, say) would poison 0 * v. One multi-tensor copy
+            # per forward, not one per segment.
+            dst, src = [], []
+            for j, s in enumerate(segments):
+                c = s.cache
+                for li in ([slice(None)] if self.uniform else range(layers)):
+                    m = c.length(0 if self.uniform else li)
+                    dst += [self.k[li, j, :, :m], self.v[li, j, :, :m]]
+                    src += [c.k[li, :, :m], c.v[li, :, :m]]
+            torch._foreach_copy_(dst, src)
+        self.new_k: list[Tensor] = []
+        self.new_v: list[Tensor] = []
+
+    def attend(self, li: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        """Attention of every segment's queries ``q [N, Hq, D]`` (new ``k``/``v`` ``[N, Hkv, D]``) in
+        layer ``li``; returns ``[N, Hq*D]``."""
+        self.new_k.append(k)
+        self.new_v.append(v)
+        b, nmax = len(self.segments), self.nmax
+
+        def pad(x: Tensor) -> Tensor:
+            return x[self.qi].view(b, nmax, x.shape[1], x.shape[2]).transpose(1, 2)
+
+        keys = torch.cat([self.k[li], pad(k)], 2)
+        values = torch.cat([self.v[li], pad(v)], 2)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            pad(q), keys, values, attn_mask=self.mask[0 if self.uniform else li], scale=scale, enable_gqa=True)
+        return out.transpose(1, 2).reshape(b * nmax, -1)[self.oi]
+
+    def write(self) -> None:
+        """The forward's new K/V into each segment's cache (after the last layer)."""
+        ks, vs = torch.stack(self.new_k), torch.stack(self.new_v)  # [L, N, Hkv, D]
+        dst, src = [], []
+        for s, off in zip(self.segments, self.starts):
+            c, n = s.cache, s.n
+            for li in ([slice(None)] if self.uniform else range(len(self.new_k))):
+                at = c.length(0 if self.uniform else li)
+                dst += [c.k[li, :, at:at + n], c.v[li, :, at:at + n]]
+                src += [ks[li, off:off + n].transpose(-3, -2), vs[li, off:off + n].transpose(-3, -2)]
+        torch._foreach_copy_(dst, src)
+
+
 class Runtime:
     """Forward of a :class:`DecoderModel` over :class:`KVCache`. A plain HF Llama-family
-    ``*ForCausalLM`` (Llama, SmolLM2, Mistral, Qwen2/3) is wrapped in :class:`HfModel`."""
+    ``*ForCausalLM`` (Llama, SmolLM2, Mistral, Qwen2/3) is wrapped in :class:`HfModel`.
 
-    def __init__(self, model: DecoderModel | torch.nn.Module):
+    ``batched``: attention of a whole step in one call per layer (:class:`_Batched`); ``None``
+    (default): on any device but the CPU, whose C++ kernels attend per segment."""
+
+    def __init__(self, model: DecoderModel | torch.nn.Module, batched: bool | None = None):
         self.model = model if isinstance(model, DecoderModel) else HfModel(model)
         m = self.model
         self.num_layers, self.num_heads, self.num_kv_heads = m.num_layers, m.num_heads, m.num_kv_heads
         self.head_dim, self.scale, self.dtype, self.device = m.head_dim, m.scale, m.dtype, m.device
         self.vocab_size, self.eos_ids = m.vocab_size, m.eos_ids
+        self.batched = self.device.type != "cpu" if batched is None else batched
         if self.device.type == "cpu":
             # Built or loaded now, once per process, so that neither lands inside a timed round or
             # a vLLM step (a first build says so on stderr: kernels.build).
@@ -194,6 +274,7 @@ class Runtime:
         captured = []
         starts = [sum(s.n for s in segments[:i]) for i in range(len(segments))]
         any_packed = any(s.cache.packed is not None for s in segments)
+        batch = _Batched(segments, starts, self.num_layers, self.device) if self.batched and not any_packed else None
         for li in range(self.num_layers):
             q, k, v = m.qkv(li, m.input_norm(li, x))
             q, k = m.qk_norm(li, q, k)
@@ -201,6 +282,10 @@ class Runtime:
             k = k * cos + _rotate_half(k) * sin
             if capture_q:
                 captured.append(q[-capture_q:].transpose(0, 1))
+            if batch is not None:
+                x = x + m.o_proj(li, batch.attend(li, q, k, v, self.scale))
+                x = x + m.mlp(li, m.post_attention_norm(li, x))
+                continue
             ends = []  # each segment's cache length in this layer once its new K/V are written
             for seg, off in zip(segments, starts):
                 c, n = seg.cache, seg.n
@@ -219,6 +304,8 @@ class Runtime:
                     for seg, off, end in zip(segments, starts, ends)]
             x = x + m.o_proj(li, outs[0] if len(outs) == 1 else torch.cat(outs))
             x = x + m.mlp(li, m.post_attention_norm(li, x))
+        if batch is not None:
+            batch.write()
         for seg in segments:
             seg.cache.n += seg.n
         if rows is not None:

@@ -34,14 +34,15 @@ from ..backends import DualTierStore, StoreConfig
 from ..backends.keys import KeySpace, model_fingerprint
 from . import int8_attention, lossy
 from .admission import Admission, Batch, Prompts
-from .config import EngineConfig, check_stagger, decoding_options, resolve_store, store_fields
+from .config import EngineConfig, check_device, check_stagger, decoding_options, resolve_store, store_fields
 from .horizon import DraftLen, Horizon, check_draft_len
 from .ngram import NgramProposer
 from .prefill import Prefiller
 from .request import Request, Result
 from .rounds import Rounds
 from .runtime import Runtime, Segment
-from .verify import Sampling
+from .swap import PinnedPool
+from .verify import Sampling, host
 
 
 class VeriCacheEngine:
@@ -66,6 +67,12 @@ class VeriCacheEngine:
     with KVFetch-certified attention over PoissonComp chunks and no verification forward: *not*
     identical to full-KV decoding. ``kvfetch_draft`` keeps the exact mode and drafts with KVFetch.
 
+    ``device``: where the engine runs (``"cpu"``, ``"cuda"``, ``"cuda:1"``, a :class:`torch.device`,
+    or ``None``, default: the model's device). The model must already be there: the engine refuses a
+    model on another device (it would otherwise move the caller's weights under it). On a CPU the
+    runtime attends per segment with its C++ kernels; elsewhere one attention call per layer covers
+    the batch, the int8 drafter is off and swaps go through a pinned host pool (:mod:`~.swap`).
+
     Chunk keys come from the shared key scheme (:class:`~lmcache_vericache.backends.keys.KeySpace`):
     the same prompt chunk has the same key in every host whose key space agrees: ``model_id``
     (default: a digest of this model's weights), ``hash_scheme`` (default ``blake3``), dtype,
@@ -80,11 +87,13 @@ class VeriCacheEngine:
                  eos_ids: set[int] | None = None, model_id: str | None = None, full_kv: str = "auto",
                  kv_budget_bytes: int | None = None, verify_buffers: int | None = None,
                  int8_draft: bool | None = None, mode: str | None = None,
-                 verkv: Mapping[str, Any] | None = None):
+                 verkv: Mapping[str, Any] | None = None, device: str | torch.device | None = None):
+        check_device(model, device)
         self.config = EngineConfig(chunk_size, draft_len, max_draft_len, stagger, query_window, full_kv,
                                    kv_budget_bytes, verify_buffers, int8_draft, model_id)
         decoding = decoding_options(mode, verkv)
         self.rt = Runtime(model)
+        self.swap_pool = PinnedPool() if self.rt.device.type == "cuda" else None
         #: Facts of the last ``generate()``: resolved mode, verify buffers, most requests at once, peak KV.
         self.last_run: dict[str, Any] = {}
         store_config, self.store, self._owns_store = resolve_store(store, compressor, compressor_params, decoding,
@@ -177,7 +186,8 @@ class VeriCacheEngine:
 
         rounds = Rounds(self.rt, self.prefiller, self.store, chunk_size=cfg.chunk_size,
                         query_window=cfg.query_window, eos_ids=self.eos_ids, ngram=self.ngram, verkv=verkv,
-                        sampling=sampling, res=res, batch_horizon=None if stagger else horizon(), on_round=on_round)
+                        sampling=sampling, res=res, batch_horizon=None if stagger else horizon(), on_round=on_round,
+                        swap_pool=self.swap_pool)
         reqs: list[Request] = []
         try:
             while True:
@@ -227,6 +237,7 @@ class VeriCacheEngine:
             t0 = time.perf_counter()
             logits, _ = self.rt.forward(torch.tensor([r.tokens[-1] for r in active]),
                                         torch.tensor([r.pos for r in active]), [Segment(r.full, 1) for r in active])
+            logits = host(logits)  # one read per step, not one per request
             dt = time.perf_counter() - t0
             for r, row in zip(active, logits):
                 r.stats.verify_s += dt

@@ -17,6 +17,12 @@ import torch
 Tensor = torch.Tensor
 
 
+def host(t: Tensor) -> Tensor:
+    """``t`` on the host: the engine's one way to read a device tensor (a sync on an accelerator;
+    nothing on a CPU). The engine's loop calls it once per forward's logits, not once per token."""
+    return t.cpu()
+
+
 @dataclass(frozen=True)
 class Sampling:
     """``temperature == 0`` means greedy; ``top_k == 0`` and ``top_p == 1`` disable those filters."""
@@ -53,21 +59,22 @@ class Sampling:
     def pick(self, logits: Tensor, gen: torch.Generator | None) -> tuple[int, Tensor | None]:
         """One token from ``logits [V]``; with sampling also its distribution (the q to record)."""
         if self.greedy:
-            return int(logits.argmax()), None
-        p = self.probs(logits.float().cpu())  # sampling runs on the CPU, where the generators live
+            return int(host(logits.argmax())), None
+        p = self.probs(host(logits.float()))  # sampling runs on the CPU, where the generators live
         return int(torch.multinomial(p, 1, generator=gen)), p
 
 
 def accept(drafts: list[int], q: list[Tensor] | None, target_logits: Tensor, sampling: Sampling,
-           gen: torch.Generator | None) -> tuple[int, int]:
+           gen: torch.Generator | None, target: list[int] | None = None) -> tuple[int, int]:
     """Verify ``drafts`` (L tokens, proposal distributions ``q``) against ``target_logits [L+1, V]``
     (row i predicts the token after draft i-1). Returns ``(n_accepted, next_token)``: the emitted
-    tokens are ``drafts[:n_accepted] + [next_token]``."""
+    tokens are ``drafts[:n_accepted] + [next_token]``. Greedy: ``target``, the rows' argmax already
+    read to the host, if the caller has it."""
     n = len(drafts)
     if target_logits.shape[0] != n + 1:
         raise ValueError(f"need {n + 1} target rows for {n} drafts, got {target_logits.shape[0]}")
     if sampling.greedy:
-        target = target_logits.argmax(-1).tolist()
+        target = host(target_logits.argmax(-1)).tolist() if target is None else target
         k = 0
         while k < n and drafts[k] == target[k]:
             k += 1
@@ -75,8 +82,8 @@ def accept(drafts: list[int], q: list[Tensor] | None, target_logits: Tensor, sam
     if q is None or len(q) != n:
         raise ValueError("sampling verification needs the draft distribution of every draft")
     # On the CPU, like the per-request generators and the recorded q (see Sampling.pick).
-    p = sampling.probs(target_logits.float().cpu())
-    q = [qi.cpu() for qi in q]
+    p = sampling.probs(host(target_logits.float()))
+    q = [host(qi) for qi in q]
     for i, x in enumerate(drafts):
         px, qx = float(p[i, x]), float(q[i][x])
         # u < p/q  <=>  u*q < p; qx > 0 always holds for a token sampled from q.
