@@ -160,9 +160,12 @@ def main(argv=None) -> int:
         k = torch.cat([x.keys for x in lay], 1)[:, :length].to(device).float()
         v = torch.cat([x.values for x in lay], 1)[:, :length].to(device).float()
         ref = ((q1[0].float() @ k.transpose(1, 2)) * d ** -0.5).softmax(-1) @ v
-        pool = ta.ChunkPool.of(fmt, [fmt.buffers(c, 0) for c in chunks], device)
-        out, _ = ta.attention(q1, pool, table1, len1, d ** -0.5)
-        record["check"][name] = float((out[0] - ref).abs().max())
+        try:  # one format's failure (e.g. another Triton version) costs only its rows
+            pool = ta.ChunkPool.of(fmt, [fmt.buffers(c, 0) for c in chunks], device)
+            out, _ = ta.attention(q1, pool, table1, len1, d ** -0.5)
+            record["check"][name] = float((out[0] - ref).abs().max())
+        except Exception as e:
+            record.setdefault("errors", {})[name] = f"{type(e).__name__}: {str(e)[:300]}"
         if name == "int8" and not isinstance(ua, str):
             paged = PagedInt8.of([[comp.int8_layers(c)[0] for c in chunks]], 16, device)
             paged.seq_lens.fill_(length)
@@ -200,6 +203,8 @@ def main(argv=None) -> int:
         table = torch.arange(b * per_req, dtype=torch.int32, device=device).view(b, per_req)
         lens = torch.full((b,), n, dtype=torch.int32, device=device)
         for name, (_, chunks, fmt) in stored.items():
+            if name in record.get("errors", {}):
+                continue
             small = ta.ChunkPool.of(fmt, [fmt.buffers(c, 0) for c in chunks], device)
             reps = -(-b * per_req // distinct)
             pool = ta.ChunkPool(fmt, *[{k: x.repeat(reps, 1) for k, x in side.items()} for side in (small.k, small.v)])

@@ -1,6 +1,12 @@
 #!/usr/bin/env bash
-# The prepared GPU check: one run on a bare CUDA machine (PyPI reachable), at most GPU_CHECK_BUDGET_S
-# (470 s) from start to last line. Run from anywhere:  bash benchmarks/gpu/check.sh   (README.md here)
+# The prepared GPU check: one run on a bare CUDA machine, at most GPU_CHECK_BUDGET_S (470 s) from start
+# to last line. Run from anywhere:  bash benchmarks/gpu/check.sh   (README.md here)
+#
+# Two installs. Online (PyPI reachable): a venv with PyPI's CUDA vLLM 0.32.0 and the package. Offline
+# (no registry answers, or GPU_CHECK_OFFLINE=1; e.g. a lent GPU machine that reaches nothing): the
+# image's own python3 and torch, wheels carried in .whl/ (blake3: `pip download` it for the image's
+# Python) put on PYTHONPATH with the repo; the vllm stage is skipped (vLLM is not on the image) and
+# the engine stage runs SmolLM2's shape with random weights (the model does not travel).
 #
 # Stages, in order, each with its own time limit: install, facts, pcie, attention, vllm, engine. Each
 # prints exactly one JSON line on stdout, also appended to $OUT/gpu_check.jsonl ($OUT defaults to
@@ -24,7 +30,14 @@ SYS_PY=$(command -v python3)
 G=benchmarks/gpu
 NAMES=(install facts pcie attention vllm engine)
 NOMINAL=(190 15 25 45 140 55)  # seconds; they sum to the budget
-if [[ $DRY == 1 ]]; then PY=${GPU_CHECK_PYTHON:-python3}; FLAG=--dry-run; else PY=$VENV/bin/python; FLAG=; fi
+OFFLINE=${GPU_CHECK_OFFLINE:-}
+if [[ -z $OFFLINE && $DRY != 1 ]]; then
+  "$SYS_PY" -c "import urllib.request as u; u.urlopen('https://pypi.org/simple/pip/', timeout=5)" 2>/dev/null \
+    && OFFLINE=0 || OFFLINE=1
+fi
+if [[ $DRY == 1 ]]; then PY=${GPU_CHECK_PYTHON:-python3}; FLAG=--dry-run
+elif [[ $OFFLINE == 1 ]]; then PY=$SYS_PY; FLAG=; NOMINAL=(20 15 25 60 0 120)
+else PY=$VENV/bin/python; FLAG=; fi
 START=$SECONDS
 
 # limit NAME: seconds this stage may take now (see the header)
@@ -53,6 +66,9 @@ stage() {
 
 if [[ $DRY == 1 ]]; then
   "$SYS_PY" $G/common.py emit --stage install --skipped "dry run: $PY"
+elif [[ $OFFLINE == 1 ]]; then
+  export PYTHONPATH=/tmp/vericache-site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+  stage install bash $G/install.sh --offline /tmp/vericache-site
 else
   stage install bash $G/install.sh "$VENV"
   [[ -x $PY ]] || PY=$SYS_PY  # failed install: later stages still report (their errors)
@@ -66,6 +82,11 @@ else
 fi
 # the engines must end before the stage's limit kills this driver (they run in their own sessions)
 # shellcheck disable=SC2086  # GPU_CHECK_VLLM_ARGS: more vllm_decode.py options, e.g. "--feature-batches 32,64"
-stage vllm "$PY" $G/vllm_decode.py --budget-s $(($(limit vllm) - 15)) $FLAG ${GPU_CHECK_VLLM_ARGS:-}
-stage engine "$PY" $G/engine_cuda.py --budget-s $(($(limit engine) - 5)) $FLAG
+if [[ $OFFLINE == 1 ]] && ! "$PY" -c "import vllm" 2>/dev/null; then
+  "$SYS_PY" $G/common.py emit --stage vllm --skipped "vLLM is not installed and no registry answers (offline)"
+else
+  stage vllm "$PY" $G/vllm_decode.py --budget-s $(($(limit vllm) - 15)) $FLAG ${GPU_CHECK_VLLM_ARGS:-}
+fi
+ENGINE_MODEL=smollm2; [[ $OFFLINE == 1 ]] && ENGINE_MODEL=random-smollm2
+stage engine "$PY" $G/engine_cuda.py --model $ENGINE_MODEL --budget-s $(($(limit engine) - 5)) $FLAG
 echo "[check +$((SECONDS - START)) s] done; lines in $OUT/gpu_check.jsonl" >&2

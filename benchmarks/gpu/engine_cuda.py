@@ -1,5 +1,8 @@
 """GPU check stage ``engine``: the VeriCache engine on CUDA against its own full-KV greedy decoding
 (``reference()``) on SmolLM2-135M, per dtype: identical tokens, rounds, accepted tokens per round, time.
+``--model random-smollm2``: SmolLM2-135M's shape with random weights and a random prompt, for a machine
+the model cannot reach (an offline GPU); the tokens must still equal ``reference()``'s, but acceptance
+says nothing about a trained model's.
 
 Through ``vericache generate --device cuda --reference --json`` where the CLI has ``--device``; else
 through the Python API (the model moved to the device before ``VeriCacheEngine`` sees it). Each dtype
@@ -37,17 +40,34 @@ def cli_has_device() -> bool:
     return "--device" not in unknown
 
 
-def api_run(device: str, dtype: str, prompt_tokens: int, new_tokens: int) -> dict[str, Any]:
-    """What ``vericache generate --reference`` reports, through the Python API."""
+# SmolLM2-135M's shape (its config.json) for ``--model random-smollm2``
+SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                     num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                     rope_theta=1e5, tie_word_embeddings=True, initializer_range=0.02)
+
+
+def model_and_prompt(model_name: str, device: str, dtype: str, prompt_tokens: int) -> tuple[Any, list[int]]:
     import torch
 
+    if model_name == "random-smollm2":
+        from lmcache_vericache.models import tiny_llama
+
+        model = tiny_llama(seed=0, **SMOLLM2_SHAPE).to(device=device, dtype=getattr(torch, dtype))
+        gen = torch.Generator().manual_seed(0)
+        return model, torch.randint(3, SMOLLM2_SHAPE["vocab_size"], (prompt_tokens,), generator=gen).tolist()
     from lmcache_vericache.cli.generate import DEFAULT_STDLIB
     from lmcache_vericache.data import prompt_ids, stdlib_source
-    from lmcache_vericache.engine import VeriCacheEngine
     from lmcache_vericache.models import load_model
 
     model, tok = load_model("smollm2", dtype=getattr(torch, dtype), device=device)
-    ids = prompt_ids(tok, stdlib_source(DEFAULT_STDLIB), prompt_tokens).tolist()
+    return model, prompt_ids(tok, stdlib_source(DEFAULT_STDLIB), prompt_tokens).tolist()
+
+
+def api_run(model_name: str, device: str, dtype: str, prompt_tokens: int, new_tokens: int) -> dict[str, Any]:
+    """What ``vericache generate --reference`` reports, through the Python API."""
+    from lmcache_vericache.engine import VeriCacheEngine
+
+    model, ids = model_and_prompt(model_name, device, dtype, prompt_tokens)
     eng = VeriCacheEngine(model, "streamingllm", store={"capacity": "memory"})
     try:
         t0 = time.perf_counter()
@@ -64,12 +84,12 @@ def api_run(device: str, dtype: str, prompt_tokens: int, new_tokens: int) -> dic
             "ttft_s": s.ttft_s, "generate_s": round(seconds, 3), "reference_s": round(ref_s, 3)}
 
 
-def command(path: str, device: str, dtype: str, prompt_tokens: int, new_tokens: int) -> list[str]:
+def command(path: str, model: str, device: str, dtype: str, prompt_tokens: int, new_tokens: int) -> list[str]:
     if path == "cli":
         return [sys.executable, "-c", "import sys; from lmcache_vericache.cli import main; sys.exit(main())",
                 "generate", "--device", device, "--dtype", dtype, "--reference", "--json",
                 "--prompt-tokens", str(prompt_tokens), "--max-new-tokens", str(new_tokens)]
-    return [sys.executable, __file__, "--api-child", "--device", device, "--dtypes", dtype,
+    return [sys.executable, __file__, "--api-child", "--model", model, "--device", device, "--dtypes", dtype,
             "--prompt-tokens", str(prompt_tokens), "--new-tokens", str(new_tokens)]
 
 
@@ -89,10 +109,10 @@ def one(cmd: list[str], timeout: float) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    path = "cli" if cli_has_device() else "api"
-    out: dict[str, Any] = {"path": path, "device": args.device, "prompt_tokens": args.prompt_tokens,
+    path = "cli" if args.model == "smollm2" and cli_has_device() else "api"
+    out: dict[str, Any] = {"path": path, "model": args.model, "device": args.device, "prompt_tokens": args.prompt_tokens,
                            "new_tokens": args.new_tokens}
-    cmds = {dt: command(path, args.device, dt, args.prompt_tokens, args.new_tokens) for dt in args.dtypes}
+    cmds = {dt: command(path, args.model, args.device, dt, args.prompt_tokens, args.new_tokens) for dt in args.dtypes}
     if args.dry_run:
         return {**out, "dry_run": True, "commands": {dt: cmd[1:] for dt, cmd in cmds.items()}}
     deadline, out["runs"] = time.monotonic() + args.budget_s, {}
@@ -108,6 +128,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--model", choices=("smollm2", "random-smollm2"), default="smollm2",
+                    help="random-smollm2: SmolLM2's shape, random weights (no model on the machine)")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (default float32,bfloat16)")
     ap.add_argument("--prompt-tokens", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -120,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         args.device, args.dtypes, args.prompt_tokens, args.new_tokens = "cpu", "float32", 128, 8
     args.dtypes = args.dtypes.split(",")
     if args.api_child:
-        print(json.dumps(api_run(args.device, args.dtypes[0], args.prompt_tokens, args.new_tokens)))
+        print(json.dumps(api_run(args.model, args.device, args.dtypes[0], args.prompt_tokens, args.new_tokens)))
         return 0
     return run_stage("engine", lambda: run(args))
 

@@ -5,8 +5,27 @@
 # converted to a Hugging Face folder. uv (from PyPI) downloads in parallel; pip is the fallback (also
 # when uv fails, e.g. behind a mirror only pip is configured for).
 # Progress (elapsed s, venv MiB) goes to stderr every 15 s; the last stdout line is the timings as JSON.
+#
+# install.sh --offline SITE: no venv, no registry: the image's python3 (it must have torch), the wheels
+# carried in .whl/ installed into SITE (check.sh puts SITE and the repo on PYTHONPATH); the last line
+# says what the image has and what it lacks.
 set -euo pipefail
-VENV=${1:?usage: install.sh VENV}
+if [[ ${1:-} == --offline ]]; then
+  SITE=${2:?usage: install.sh --offline SITE}
+  t0=$SECONDS
+  shopt -s nullglob
+  wheels=(.whl/*.whl)
+  ((${#wheels[@]})) && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$SITE" "${wheels[@]}" >&2
+  PYTHONPATH=$SITE:$PWD python3 - "$((SECONDS - t0))" "${#wheels[@]}" <<'PY'
+import importlib.util, json, sys
+have = {m: importlib.util.find_spec(m) is not None for m in ("torch", "triton", "transformers", "blake3", "vllm", "lmcache")}
+import lmcache_vericache.engine  # noqa: F401  (fails here, not later, when a dependency is missing)
+print(json.dumps({"offline": True, "total_s": int(sys.argv[1]), "wheels": int(sys.argv[2]), "importable": have}))
+PY
+  exit
+fi
+VENV=${1:?usage: install.sh VENV | --offline SITE}
 t0=$SECONDS
 export UV_CACHE_DIR=${UV_CACHE_DIR:-$VENV.uv-cache}  # beside the venv: same filesystem, so uv hardlinks
 mark() { echo "[install +$((SECONDS - t0)) s] $*" >&2; }
