@@ -13,9 +13,9 @@ attention on one short request (max |out - ref|).
 Flags: --batch 32 64, --tokens 8192, --kv-heads 8, --group 4, --head-dim 128, --chunk 256,
 --formats int8 int4 kivi2 turboquant4 turboquant3, --iters 20, --reps 5. The kernels' launch
 configurations: by default ``DEFAULT_CONFIGS`` (the likely winners and the old default, not a cross
-product); any of --splits (0: the kernel's own choice), --tiles, --warps, --stages times their
+product); any of --splits, --tiles, --warps, --stages (0: attention's own choice) times their
 cross product instead, the ones not given at ``attention``'s defaults. A kernel row's path is
-``format/s<splits>/t<tile>/w<warps>/st<stages>`` and it records the splits that ran.
+``format/s<splits>/t<tile>/w<warps>/st<stages>`` (``auto`` for 0) and it records the splits that ran.
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ import time
 from functools import partial
 from pathlib import Path
 
-# (splits, tile, num_warps, num_stages); splits 0: attention's default_splits. The first is the
-# previous default launch (tile 16, one split, Triton's default 4 warps / 3 stages).
-DEFAULT_CONFIGS = ((1, 16, 4, 3), (0, 64, 4, 2), (0, 64, 8, 3), (0, 128, 8, 2))
+# (splits, tile, num_warps, num_stages); 0: attention's default (default_splits; 2 stages, 1 for a
+# codebook format). The first is the previous default launch (tile 16, one split, Triton's default
+# 4 warps / 3 stages); the others the tiles that won on an H200 (8 warps and 3 stages never did).
+DEFAULT_CONFIGS = ((1, 16, 4, 3), (0, 64, 4, 0), (0, 32, 4, 0), (0, 128, 4, 0))
 FORMATS = {"int8": ("int8", {}), "int4": ("int4", {}), "kivi2": ("kivi", {"bits": 2}), "kivi4": ("kivi", {"bits": 4}),
            "turboquant4": ("turboquant", {"bits": 4}), "turboquant3": ("turboquant", {"bits": 3}),
            "turboquant2": ("turboquant", {"bits": 2})}
@@ -51,7 +52,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--splits", type=int, nargs="+", help="split-K values of the package's kernels (0: its default)")
     p.add_argument("--tiles", type=int, nargs="+", help="token tiles of the package's kernels")
     p.add_argument("--warps", type=int, nargs="+", help="num_warps of the package's kernels")
-    p.add_argument("--stages", type=int, nargs="+", help="num_stages of the package's kernels")
+    p.add_argument("--stages", type=int, nargs="+", help="num_stages of the package's kernels (0: its default)")
     p.add_argument("--iters", type=int, default=20, help="calls per timed repetition")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions (median reported)")
     p.add_argument("--json", action="store_true", help="print one JSON line (else a line per result)")
@@ -66,10 +67,14 @@ def parse(argv=None) -> argparse.Namespace:
         p.error(f"--tokens ({a.tokens}) must be a multiple of --chunk ({a.chunk})")
     knobs = (a.splits, a.tiles, a.warps, a.stages)
     if any(k is not None for k in knobs):
-        a.configs = list(itertools.product(*[k if k is not None else [d] for k, d in zip(knobs, (0, 64, 4, 2))]))
+        a.configs = list(itertools.product(*[k if k is not None else [d] for k, d in zip(knobs, (0, 64, 4, 0))]))
     else:
         a.configs = list(DEFAULT_CONFIGS)
     return a
+
+
+def _path(name: str, splits: int, tile: int, warps: int, stages: int) -> str:
+    return f"{name}/s{splits or 'auto'}/t{tile}/w{warps}/st{stages or 'auto'}"
 
 
 def _timer(device: str):
@@ -181,8 +186,8 @@ def main(argv=None) -> int:
             record["check"][name] = float((out[0] - ref).abs().max())
             for s, tile, warps, stages in a.configs:  # and each timed configuration
                 out, _ = ta.attention(q1, pool, table1, len1, d ** -0.5, splits=s or None, tile=tile, num_warps=warps,
-                                      num_stages=stages)
-                record["check"][f"{name}/s{s or 'auto'}/t{tile}/w{warps}/st{stages}"] = float((out[0] - ref).abs().max())
+                                      num_stages=stages or None)
+                record["check"][_path(name, s, tile, warps, stages)] = float((out[0] - ref).abs().max())
         except Exception as e:
             record.setdefault("errors", {})[name] = f"{type(e).__name__}: {str(e)[:300]}"
         if name == "int8" and not isinstance(ua, str):
@@ -231,14 +236,13 @@ def main(argv=None) -> int:
             for s, tile, warps, stages in a.configs:
                 ran = s or ta.default_splits(b, h, g, per_req, torch.device(device))
                 call = partial(ta.attention, q.view(b, h, g, d), pool, table, lens, d ** -0.5, splits=ran, tile=tile,
-                               num_warps=warps, num_stages=stages, check=False)
+                               num_warps=warps, num_stages=stages or None, check=False)
                 try:  # one configuration's failure (resources of another GPU) costs only its row
                     us = median_us(call, a.iters, a.reps)
                 except Exception as e:
-                    record.setdefault("errors", {})[f"{name}/s{s or 'auto'}/t{tile}/w{warps}/st{stages}"] = \
-                        f"{type(e).__name__}: {str(e)[:300]}"
+                    record.setdefault("errors", {})[_path(name, s, tile, warps, stages)] = f"{type(e).__name__}: {str(e)[:300]}"
                     continue
-                add(b, f"{name}/s{s or 'auto'}/t{tile}/w{warps}/st{stages}", us, b * per_req * pool.nbytes // pool.slots,
+                add(b, _path(name, s, tile, warps, stages), us, b * per_req * pool.nbytes // pool.slots,
                     splits=ran, tile=tile, warps=warps, stages=stages)
             del pool
     if a.json:

@@ -98,8 +98,8 @@ def _side_args(side: Side, bufs: dict[str, Tensor], device: torch.device) -> tup
     return ptrs, const
 
 
-def launch(q: Tensor, pool: ChunkPool, table: Tensor, lengths: Tensor, scale: float, tile: int, splits: int
-           ) -> tuple[tuple[int, int, int], list, dict]:
+def launch(q: Tensor, pool: ChunkPool, table: Tensor, lengths: Tensor, scale: float, tile: int, splits: int,
+           num_warps: int = 4) -> tuple[tuple[int, int, int], list, dict]:
     """Grid, arguments (out and lse allocated: ``[splits, ...]``) and constexprs of one
     ``decode_attention`` launch over validated inputs, q already rotated (the AOT compile test
     builds the kernel's signature from them)."""
@@ -113,27 +113,28 @@ def launch(q: Tensor, pool: ChunkPool, table: Tensor, lengths: Tensor, scale: fl
     split_tiles = -(-table.shape[1] * -(-fmt.tokens // tile) // splits)
     grid = (b, h, -(-m // block_m) * splits)
     args = [q, out, lse, table, lengths, table.stride(0), m, float(scale), split_tiles, *kp, *vp]
-    const = dict(H=h, T=fmt.tokens, D=d, BLOCK_M=block_m, TILE=tile, SPLITS=splits,
+    const = dict(H=h, T=fmt.tokens, D=d, BLOCK_M=block_m, TILE=tile, SPLITS=splits, WARPS=num_warps,
                  **{f"K_{k}": v for k, v in kc.items()}, **{f"V_{k}": v for k, v in vc.items()})
     return grid, args, const
 
 
 def default_splits(b: int, h: int, m: int, chunks: int, device: torch.device) -> int:
     """Splits when the caller gives none: the fewest (a power of 2) that make the programs
-    (requests x KV heads x row blocks x splits) at least 4 per SM of ``device``, so every SM has
-    several programs to overlap loads with, and at most one per chunk of the table; 1 off CUDA."""
+    (requests x KV heads x row blocks x splits) at least 2 per SM of ``device``, so every SM has
+    programs to overlap loads with, and at most one per chunk of the table; 1 off CUDA. (On an
+    H200 at 8k tokens, 512 programs ran faster unsplit than in 2 splits, 256 faster in 4 than in 1.)"""
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     programs = max(1, b * h * -(-m // 64))
     splits = 1
-    while programs * splits < 4 * sms and splits * 2 <= max(1, chunks):
+    while programs * splits < 2 * sms and splits * 2 <= max(1, chunks):
         splits *= 2
     return splits
 
 
 def attention(q: Tensor, pool: ChunkPool, table: Tensor, lengths: Tensor, scale: float, *,
-              tile: int = 64, splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
+              tile: int = 64, splits: int | None = None, num_warps: int = 4, num_stages: int | None = None,
               check: bool = True) -> tuple[Tensor, Tensor]:
     """Attention of query rows ``q [B, H, M, D]`` (the rows of KV head ``h``: GQA members x block
     tokens) over request ``b``'s first ``lengths[b]`` prefix tokens, held in chunk slots
@@ -143,7 +144,9 @@ def attention(q: Tensor, pool: ChunkPool, table: Tensor, lengths: Tensor, scale:
     ``T`` tokens takes ``ceil(T / tile)`` steps, so a tile dividing ``T`` wastes none). ``splits`` > 1
     divides each request's tiles over that many programs (for batches too small to fill the GPU),
     merged here by log-sum-exp; ``None``: :func:`default_splits`. ``num_warps`` (2, 4, 8) and
-    ``num_stages`` (1-4: tiles in flight, Triton's software pipelining) are launch options.
+    ``num_stages`` (1-4: tiles in flight, Triton's software pipelining) are launch options;
+    ``num_stages=None``: 2, or 1 for a codebook format (its per-element table loads ran about twice
+    as fast unpipelined on an H200, while int4/int8 ran faster with 2).
     ``check`` validates the table against the pool (a host sync; pass False on a hot path whose
     table the caller built)."""
     fmt = pool.fmt
@@ -160,7 +163,7 @@ def attention(q: Tensor, pool: ChunkPool, table: Tensor, lengths: Tensor, scale:
         raise ValueError(f"splits must be None or an int >= 1, got {splits!r}")
     if num_warps not in (2, 4, 8):
         raise ValueError(f"num_warps must be 2, 4 or 8, got {num_warps!r}")
-    if num_stages not in (1, 2, 3, 4):
+    if num_stages not in (None, 1, 2, 3, 4):
         raise ValueError(f"num_stages must be 1, 2, 3 or 4, got {num_stages!r}")
     bad = [s.bits for s in (fmt.k, fmt.v) if s.bits not in BITS]
     if bad:
@@ -182,7 +185,9 @@ def attention(q: Tensor, pool: ChunkPool, table: Tensor, lengths: Tensor, scale:
         q = (q.float() @ fmt.k.rotation.to(q.device).T).to(q.dtype)
     if splits is None:
         splits = default_splits(b, h, m, table.shape[1], q.device)
-    grid, args, const = launch(q.contiguous(), pool, table, lengths, scale, tile, splits)
+    if num_stages is None:
+        num_stages = 1 if fmt.k.codebook is not None or fmt.v.codebook is not None else 2
+    grid, args, const = launch(q.contiguous(), pool, table, lengths, scale, tile, splits, num_warps)
     triton_kernels.decode_attention[grid](*args, **const, num_warps=num_warps, num_stages=num_stages)
     out, lse = args[1], args[2]
     if splits == 1:

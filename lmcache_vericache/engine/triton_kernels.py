@@ -18,11 +18,20 @@ import triton.language as tl
 
 
 @triton.jit
-def _unpack(cbase, rows, quant, D: tl.constexpr, TILE: tl.constexpr, BITS: tl.constexpr):
+def _unpack(cbase, rows, quant, D: tl.constexpr, TILE: tl.constexpr, BITS: tl.constexpr, BYTEWISE: tl.constexpr):
     """``[TILE, D]`` int32 codes of ``BITS`` (2, 3, 4) bits: rows start at byte offsets ``rows``
     ``[TILE, 1]`` from ``cbase``; code ``i`` of a row at bit ``i * BITS`` (compressors/packing.py).
-    ``tl.join(a, b)`` + reshape interleaves ``a, b``: the recursion even/odd codes gives code order."""
-    if BITS == 4:
+    ``tl.join(a, b)`` + reshape interleaves ``a, b``: the recursion even/odd codes gives code order.
+    ``BYTEWISE`` reads each code's byte(s) instead: Triton 3.6 compiled the join + reshape of
+    16-row tiles (4 rows per warp) to wrong codes on an H200, and was right at 8+ rows per warp."""
+    if BYTEWISE:
+        bit = tl.arange(0, D)[None, :] * BITS
+        w = tl.load(cbase + rows + (bit >> 3), mask=quant, other=0).to(tl.int32)
+        if 8 % BITS != 0:  # a 3-bit code may straddle two bytes of its row (only when it starts past bit 5)
+            nxt = quant & ((bit & 7) > 8 - BITS)
+            w = w | (tl.load(cbase + rows + (bit >> 3) + 1, mask=nxt, other=0).to(tl.int32) << 8)
+        code = (w >> (bit & 7)) & ((1 << BITS) - 1)
+    elif BITS == 4:
         w = tl.load(cbase + rows + tl.arange(0, D // 2)[None, :], mask=quant, other=0).to(tl.int32)
         code = tl.join(w & 15, w >> 4)
     elif BITS == 2:
@@ -34,14 +43,16 @@ def _unpack(cbase, rows, quant, D: tl.constexpr, TILE: tl.constexpr, BITS: tl.co
              | (tl.load(p + 2, mask=quant, other=0).to(tl.int32) << 16))
         code = tl.join(tl.join(tl.join(w & 7, (w >> 12) & 7), tl.join((w >> 6) & 7, (w >> 18) & 7)),
                        tl.join(tl.join((w >> 3) & 7, (w >> 15) & 7), tl.join((w >> 9) & 7, w >> 21)))
-    return tl.reshape(code, (TILE, D))
+    if not BYTEWISE:
+        code = tl.reshape(code, (TILE, D))
+    return code
 
 
 @triton.jit
 def _dequant_tile(codes, scale, zero, lut, res, slot, h, t0, t_in, t_mask, dims, DT: tl.constexpr,
                   H: tl.constexpr, T: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr, NQ: tl.constexpr,
                   BITS: tl.constexpr, TG: tl.constexpr, CG: tl.constexpr, HAS_ZERO: tl.constexpr,
-                  HAS_LUT: tl.constexpr, HAS_RES: tl.constexpr):
+                  HAS_LUT: tl.constexpr, HAS_RES: tl.constexpr, WARPS: tl.constexpr):
     """``[TILE, D]`` values of tokens ``t_in = t0 + arange(TILE)`` (chunk-relative) of head ``h`` in
     chunk slot ``slot`` (int64 scalar), as ``zero + lut(code) * scale`` (or the dense residual past
     ``NQ``), rounded to ``DT``."""
@@ -56,7 +67,7 @@ def _dequant_tile(codes, scale, zero, lut, res, slot, h, t0, t_in, t_mask, dims,
     if BITS == 8:  # whole bytes: the pointer's type (int8 / uint8) gives the sign
         y = tl.load(cbase + t_in[:, None] * ROW_BYTES + dims[None, :], mask=q2, other=0).to(tl.float32)
     else:
-        code = _unpack(cbase, t_in[:, None] * ROW_BYTES, q2, D, TILE, BITS)
+        code = _unpack(cbase, t_in[:, None] * ROW_BYTES, q2, D, TILE, BITS, TILE < 32 or TILE // WARPS < 8)
         if HAS_LUT:
             y = tl.load(lut + code)
         else:
@@ -107,13 +118,14 @@ def decode_attention(q, out, lse, table, lengths, table_stride, M, sm_scale, spl
                      K_NQ: tl.constexpr, K_BITS: tl.constexpr, K_TG: tl.constexpr, K_CG: tl.constexpr,
                      K_ZERO: tl.constexpr, K_LUT: tl.constexpr, K_RES: tl.constexpr,
                      V_NQ: tl.constexpr, V_BITS: tl.constexpr, V_TG: tl.constexpr, V_CG: tl.constexpr,
-                     V_ZERO: tl.constexpr, V_LUT: tl.constexpr, V_RES: tl.constexpr, SPLITS: tl.constexpr):
+                     V_ZERO: tl.constexpr, V_LUT: tl.constexpr, V_RES: tl.constexpr, SPLITS: tl.constexpr,
+                     WARPS: tl.constexpr):
     """q ``[B, H, M, D]`` (rows of one KV head: GQA members x block tokens) over each request's
     first ``lengths[b]`` tokens of the chunks ``table[b]``; out ``[B, H, M, D]`` fp32 and lse
     ``[B, H, M]`` (natural log; -inf and zeros for an empty prefix). With ``SPLITS`` > 1, split ``s``
     of the grid's third axis takes the request's tiles ``[s * split_tiles, (s + 1) * split_tiles)``
     (tile ``i``: chunk ``i // ceil(T / TILE)``) and writes out ``[SPLITS, B, H, M, D]`` and lse
-    ``[SPLITS, B, H, M]``, merged by the caller."""
+    ``[SPLITS, B, H, M]``, merged by the caller. ``WARPS``: the launch's ``num_warps``."""
     TPC: tl.constexpr = (T + TILE - 1) // TILE  # tiles per chunk
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -140,9 +152,9 @@ def decode_attention(q, out, lse, table, lengths, table_stride, M, sm_scale, spl
         t_in = t0 + tl.arange(0, TILE)
         t_mask = (t_in < T) & (c * T + t_in < n)
         k = _dequant_tile(kc, ks, kz, klut, kr, slot, h, t0, t_in, t_mask, dims, DT, H, T, D, TILE, K_NQ, K_BITS,
-                          K_TG, K_CG, K_ZERO, K_LUT, K_RES)
+                          K_TG, K_CG, K_ZERO, K_LUT, K_RES, WARPS)
         v = _dequant_tile(vc, vs, vz, vlut, vr, slot, h, t0, t_in, t_mask, dims, DT, H, T, D, TILE, V_NQ, V_BITS,
-                          V_TG, V_CG, V_ZERO, V_LUT, V_RES)
+                          V_TG, V_CG, V_ZERO, V_LUT, V_RES, WARPS)
         s = tl.dot(qt, tl.trans(k)) * qk_scale
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
