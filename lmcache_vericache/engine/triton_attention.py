@@ -113,7 +113,8 @@ def launch(q: Tensor, pool: ChunkPool, table: Tensor, lengths: Tensor, scale: fl
     split_tiles = -(-table.shape[1] * -(-fmt.tokens // tile) // splits)
     grid = (b, h, -(-m // block_m) * splits)
     args = [q, out, lse, table, lengths, table.stride(0), m, float(scale), split_tiles, *kp, *vp]
-    const = dict(H=h, T=fmt.tokens, D=d, BLOCK_M=block_m, TILE=tile, SPLITS=splits, WARPS=num_warps,
+    const = dict(H=h, T=fmt.tokens, D=d, BLOCK_M=block_m, TILE=tile, SPLITS=splits,
+                 BYTEWISE=tile < 32 or tile // num_warps < 8,  # where the join unpack was wrong (_unpack)
                  **{f"K_{k}": v for k, v in kc.items()}, **{f"V_{k}": v for k, v in vc.items()})
     return grid, args, const
 

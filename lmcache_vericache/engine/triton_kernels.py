@@ -52,7 +52,7 @@ def _unpack(cbase, rows, quant, D: tl.constexpr, TILE: tl.constexpr, BITS: tl.co
 def _dequant_tile(codes, scale, zero, lut, res, slot, h, t0, t_in, t_mask, dims, DT: tl.constexpr,
                   H: tl.constexpr, T: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr, NQ: tl.constexpr,
                   BITS: tl.constexpr, TG: tl.constexpr, CG: tl.constexpr, HAS_ZERO: tl.constexpr,
-                  HAS_LUT: tl.constexpr, HAS_RES: tl.constexpr, WARPS: tl.constexpr):
+                  HAS_LUT: tl.constexpr, HAS_RES: tl.constexpr, BYTEWISE: tl.constexpr):
     """``[TILE, D]`` values of tokens ``t_in = t0 + arange(TILE)`` (chunk-relative) of head ``h`` in
     chunk slot ``slot`` (int64 scalar), as ``zero + lut(code) * scale`` (or the dense residual past
     ``NQ``), rounded to ``DT``."""
@@ -67,7 +67,7 @@ def _dequant_tile(codes, scale, zero, lut, res, slot, h, t0, t_in, t_mask, dims,
     if BITS == 8:  # whole bytes: the pointer's type (int8 / uint8) gives the sign
         y = tl.load(cbase + t_in[:, None] * ROW_BYTES + dims[None, :], mask=q2, other=0).to(tl.float32)
     else:
-        code = _unpack(cbase, t_in[:, None] * ROW_BYTES, q2, D, TILE, BITS, TILE < 32 or TILE // WARPS < 8)
+        code = _unpack(cbase, t_in[:, None] * ROW_BYTES, q2, D, TILE, BITS, BYTEWISE)
         if HAS_LUT:
             y = tl.load(lut + code)
         else:
@@ -119,13 +119,14 @@ def decode_attention(q, out, lse, table, lengths, table_stride, M, sm_scale, spl
                      K_ZERO: tl.constexpr, K_LUT: tl.constexpr, K_RES: tl.constexpr,
                      V_NQ: tl.constexpr, V_BITS: tl.constexpr, V_TG: tl.constexpr, V_CG: tl.constexpr,
                      V_ZERO: tl.constexpr, V_LUT: tl.constexpr, V_RES: tl.constexpr, SPLITS: tl.constexpr,
-                     WARPS: tl.constexpr):
+                     BYTEWISE: tl.constexpr):
     """q ``[B, H, M, D]`` (rows of one KV head: GQA members x block tokens) over each request's
     first ``lengths[b]`` tokens of the chunks ``table[b]``; out ``[B, H, M, D]`` fp32 and lse
     ``[B, H, M]`` (natural log; -inf and zeros for an empty prefix). With ``SPLITS`` > 1, split ``s``
     of the grid's third axis takes the request's tiles ``[s * split_tiles, (s + 1) * split_tiles)``
     (tile ``i``: chunk ``i // ceil(T / TILE)``) and writes out ``[SPLITS, B, H, M, D]`` and lse
-    ``[SPLITS, B, H, M]``, merged by the caller. ``WARPS``: the launch's ``num_warps``."""
+    ``[SPLITS, B, H, M]``, merged by the caller. ``BYTEWISE``: unpack sub-byte codes byte by
+    byte (see :func:`_unpack`; set for tiles under 32 rows or 8 rows per warp)."""
     TPC: tl.constexpr = (T + TILE - 1) // TILE  # tiles per chunk
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -152,9 +153,9 @@ def decode_attention(q, out, lse, table, lengths, table_stride, M, sm_scale, spl
         t_in = t0 + tl.arange(0, TILE)
         t_mask = (t_in < T) & (c * T + t_in < n)
         k = _dequant_tile(kc, ks, kz, klut, kr, slot, h, t0, t_in, t_mask, dims, DT, H, T, D, TILE, K_NQ, K_BITS,
-                          K_TG, K_CG, K_ZERO, K_LUT, K_RES, WARPS)
+                          K_TG, K_CG, K_ZERO, K_LUT, K_RES, BYTEWISE)
         v = _dequant_tile(vc, vs, vz, vlut, vr, slot, h, t0, t_in, t_mask, dims, DT, H, T, D, TILE, V_NQ, V_BITS,
-                          V_TG, V_CG, V_ZERO, V_LUT, V_RES, WARPS)
+                          V_TG, V_CG, V_ZERO, V_LUT, V_RES, BYTEWISE)
         s = tl.dot(qt, tl.trans(k)) * qk_scale
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
