@@ -11,12 +11,17 @@ attention on one short request (max |out - ref|).
     python benchmarks/gpu/attention.py --cpu-check --json    # tiny shapes under TRITON_INTERPRET=1
                                                              # (fp16, CPU): checks that the script runs
 Flags: --batch 32 64, --tokens 8192, --kv-heads 8, --group 4, --head-dim 128, --chunk 256,
---formats int8 int4 kivi2 turboquant4 turboquant3, --splits 1 4, --tiles 16 64, --iters 20, --reps 5.
+--formats int8 int4 kivi2 turboquant4 turboquant3, --iters 20, --reps 5. The kernels' launch
+configurations: by default ``DEFAULT_CONFIGS`` (the likely winners and the old default, not a cross
+product); any of --splits, --tiles, --warps, --stages (0: attention's own choice) times their
+cross product instead, the ones not given at ``attention``'s defaults. A kernel row's path is
+``format/s<splits>/t<tile>/w<warps>/st<stages>`` (``auto`` for 0) and it records the splits that ran.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -25,6 +30,10 @@ import time
 from functools import partial
 from pathlib import Path
 
+# (splits, tile, num_warps, num_stages); 0: attention's default (default_splits; 2 stages, 1 for a
+# codebook format). The first is the previous default launch (tile 16, one split, Triton's default
+# 4 warps / 3 stages); the others the tiles that won on an H200 (8 warps and 3 stages never did).
+DEFAULT_CONFIGS = ((1, 16, 4, 3), (0, 64, 4, 0), (0, 32, 4, 0), (0, 128, 4, 0))
 FORMATS = {"int8": ("int8", {}), "int4": ("int4", {}), "kivi2": ("kivi", {"bits": 2}), "kivi4": ("kivi", {"bits": 4}),
            "turboquant4": ("turboquant", {"bits": 4}), "turboquant3": ("turboquant", {"bits": 3}),
            "turboquant2": ("turboquant", {"bits": 2})}
@@ -40,8 +49,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--chunk", type=int, default=256, help="tokens per stored chunk")
     p.add_argument("--formats", nargs="+", default=["int8", "int4", "kivi2", "turboquant4", "turboquant3"],
                    choices=sorted(FORMATS))
-    p.add_argument("--splits", type=int, nargs="+", default=[1, 4], help="split-K values of the package's kernels")
-    p.add_argument("--tiles", type=int, nargs="+", default=[16, 64], help="token tiles of the package's kernels")
+    p.add_argument("--splits", type=int, nargs="+", help="split-K values of the package's kernels (0: its default)")
+    p.add_argument("--tiles", type=int, nargs="+", help="token tiles of the package's kernels")
+    p.add_argument("--warps", type=int, nargs="+", help="num_warps of the package's kernels")
+    p.add_argument("--stages", type=int, nargs="+", help="num_stages of the package's kernels (0: its default)")
     p.add_argument("--iters", type=int, default=20, help="calls per timed repetition")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions (median reported)")
     p.add_argument("--json", action="store_true", help="print one JSON line (else a line per result)")
@@ -54,7 +65,16 @@ def parse(argv=None) -> argparse.Namespace:
         a.iters, a.reps = 1, 1
     if a.tokens % a.chunk:
         p.error(f"--tokens ({a.tokens}) must be a multiple of --chunk ({a.chunk})")
+    knobs = (a.splits, a.tiles, a.warps, a.stages)
+    if any(k is not None for k in knobs):
+        a.configs = list(itertools.product(*[k if k is not None else [d] for k, d in zip(knobs, (0, 64, 4, 0))]))
+    else:
+        a.configs = list(DEFAULT_CONFIGS)
     return a
+
+
+def _path(name: str, splits: int, tile: int, warps: int, stages: int) -> str:
+    return f"{name}/s{splits or 'auto'}/t{tile}/w{warps}/st{stages or 'auto'}"
 
 
 def _timer(device: str):
@@ -122,7 +142,7 @@ def main(argv=None) -> int:
 
     if a.dry_run:  # benchmarks/gpu/check.sh's dry run: what would be timed
         plan = {"bench": "gpu_attention", "dry_run": True, "batch": a.batch, "tokens": a.tokens, "formats": a.formats,
-                "splits": a.splits, "tiles": a.tiles, "triton_available": ta.available()}
+                "configs": a.configs, "triton_available": ta.available()}
         print(json.dumps(plan))
         return 0
     device = "cpu" if a.cpu_check else "cuda"
@@ -164,6 +184,10 @@ def main(argv=None) -> int:
             pool = ta.ChunkPool.of(fmt, [fmt.buffers(c, 0) for c in chunks], device)
             out, _ = ta.attention(q1, pool, table1, len1, d ** -0.5)
             record["check"][name] = float((out[0] - ref).abs().max())
+            for s, tile, warps, stages in a.configs:  # and each timed configuration
+                out, _ = ta.attention(q1, pool, table1, len1, d ** -0.5, splits=s or None, tile=tile, num_warps=warps,
+                                      num_stages=stages or None)
+                record["check"][_path(name, s, tile, warps, stages)] = float((out[0] - ref).abs().max())
         except Exception as e:
             record.setdefault("errors", {})[name] = f"{type(e).__name__}: {str(e)[:300]}"
         if name == "int8" and not isinstance(ua, str):
@@ -173,8 +197,9 @@ def main(argv=None) -> int:
                           paged.block_table, paged.seq_lens, paged.k_scales, paged.v_scales)
             record["check"]["vllm_int8"] = float((o.float().view(h, g, d) - ref).abs().max())
 
-    def add(batch: int, path: str, us: float, nbytes: int) -> None:
-        row = {"batch": batch, "path": path, "us": round(us, 2), "bytes": nbytes, "gbps": round(nbytes / us / 1e3, 1)}
+    def add(batch: int, path: str, us: float, nbytes: int, **extra) -> None:
+        row = {"batch": batch, "path": path, "us": round(us, 2), "bytes": nbytes, "gbps": round(nbytes / us / 1e3, 1),
+               **extra}
         record["results"].append(row)
         if not a.json:
             print(f"batch {batch:3d} x {n}: {path:20s} {us:10.1f} µs/layer  {nbytes / 2**20:9.1f} MiB  {row['gbps']:7.1f} GB/s")
@@ -208,11 +233,17 @@ def main(argv=None) -> int:
             small = ta.ChunkPool.of(fmt, [fmt.buffers(c, 0) for c in chunks], device)
             reps = -(-b * per_req // distinct)
             pool = ta.ChunkPool(fmt, *[{k: x.repeat(reps, 1) for k, x in side.items()} for side in (small.k, small.v)])
-            for s in a.splits:
-                for tile in a.tiles:
-                    call = partial(ta.attention, q.view(b, h, g, d), pool, table, lens, d ** -0.5, splits=s, tile=tile,
-                                   check=False)
-                    add(b, f"{name}/s{s}/t{tile}", median_us(call, a.iters, a.reps), b * per_req * pool.nbytes // pool.slots)
+            for s, tile, warps, stages in a.configs:
+                ran = s or ta.default_splits(b, h, g, per_req, torch.device(device))
+                call = partial(ta.attention, q.view(b, h, g, d), pool, table, lens, d ** -0.5, splits=ran, tile=tile,
+                               num_warps=warps, num_stages=stages or None, check=False)
+                try:  # one configuration's failure (resources of another GPU) costs only its row
+                    us = median_us(call, a.iters, a.reps)
+                except Exception as e:
+                    record.setdefault("errors", {})[_path(name, s, tile, warps, stages)] = f"{type(e).__name__}: {str(e)[:300]}"
+                    continue
+                add(b, _path(name, s, tile, warps, stages), us, b * per_req * pool.nbytes // pool.slots,
+                    splits=ran, tile=tile, warps=warps, stages=stages)
             del pool
     if a.json:
         print(json.dumps(record))

@@ -29,21 +29,35 @@ from lmcache_vericache.engine.paged_int8 import PagedInt8
 
 ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
-# (method, params, heads, GQA group, head_dim, chunk tokens, rows per member, splits): lengths
-# below are not multiples of the 16-token tile nor of the chunk, and one request has no prefix.
+# (method, params, heads, GQA group, head_dim, chunk tokens, rows per member, attention options):
+# lengths below end mid-chunk and mid-tile, and one request has no prefix. The options cover tiles
+# smaller than (several per chunk, the last one partial), equal to and larger than a chunk, each
+# scale layout (per token, per channel group, per token group at or below the tile, a gather for
+# groups larger than the tile), splits, and the launch options.
 SHAPES = {
-    "int8-d64-g3": ("int8", {}, 2, 3, 64, 40, 1, 1),
-    "int8-d128-g1-block": ("int8", {}, 1, 1, 128, 40, 4, 1),
-    "int4-d64-g3": ("int4", {}, 2, 3, 64, 40, 1, 1),
-    "int4-d64-g3-split3": ("int4", {}, 2, 3, 64, 40, 1, 3),
-    "int4-d128-g1-gs64": ("int4", {"group_size": 64}, 1, 1, 128, 40, 2, 1),
-    "kivi2-d64-g3-residual": ("kivi", {"bits": 2, "group_size": 16, "residual": 8}, 2, 3, 64, 40, 1, 1),
-    "kivi4-d128-g1": ("kivi", {"bits": 4, "group_size": 16, "residual": 0}, 1, 1, 128, 48, 1, 1),
-    "turboquant3-d64-g3": ("turboquant", {"bits": 3}, 2, 3, 64, 40, 1, 1),
-    "turboquant-k4v2-d128-g1": ("turboquant", {"k_bits": 4, "v_bits": 2}, 1, 1, 128, 40, 1, 1),
+    "int8-d64-g3": ("int8", {}, 2, 3, 64, 40, 1, {}),
+    "int8-d128-g1-block-t16": ("int8", {}, 1, 1, 128, 40, 4, {"tile": 16, "num_warps": 2}),
+    "int8-d128-g4-t128-w8": ("int8", {}, 2, 4, 128, 40, 1, {"tile": 128, "num_warps": 8, "num_stages": 3}),
+    "int4-d64-g3": ("int4", {}, 2, 3, 64, 40, 1, {"splits": None}),
+    "int4-d64-g3-t16-split3": ("int4", {}, 2, 3, 64, 40, 1, {"tile": 16, "splits": 3, "num_stages": 1}),
+    "int4-d128-g1-gs64": ("int4", {"group_size": 64}, 1, 1, 128, 40, 2, {"tile": 32}),
+    "kivi2-d64-g3-residual": ("kivi", {"bits": 2, "group_size": 16, "residual": 8}, 2, 3, 64, 40, 1, {}),
+    "kivi2-d64-g3-residual-t16": ("kivi", {"bits": 2, "group_size": 16, "residual": 8}, 2, 3, 64, 40, 1,
+                                  {"tile": 16, "splits": 2}),
+    "kivi4-d128-g1": ("kivi", {"bits": 4, "group_size": 16, "residual": 0}, 1, 1, 128, 48, 1, {"tile": 32}),
+    "kivi4-d64-g2-gs32-t16": ("kivi", {"bits": 4, "group_size": 32, "residual": 8}, 2, 2, 64, 72, 1, {"tile": 16}),
+    "turboquant3-d64-g3": ("turboquant", {"bits": 3}, 2, 3, 64, 40, 1, {}),
+    "turboquant3-d128-g2-t16": ("turboquant", {"bits": 3}, 1, 2, 128, 40, 1, {"tile": 16, "num_warps": 8}),
+    "turboquant-k4v2-d128-g1": ("turboquant", {"k_bits": 4, "v_bits": 2}, 1, 1, 128, 40, 1, {"tile": 128}),
 }
 TABLE = [[0, 1, 2], [3, 0, 0], [2, 3, 1]]
-LENGTHS = [100, 19, 0]  # tokens of each request's prefix (3 chunks of 40 or 48 at most)
+LENGTHS = [100, 19, 0]  # tokens of each request's prefix (3 chunks of 40 to 72 at most)
+# The AOT compile: every scale layout and code width, at the old default (tile 16), the byte-wise
+# unpack (tile 32 over 8 warps) and the benchmark's likely winners (tile 64 / 128, 4 / 8 warps).
+COMPILE_SHAPES = ("int8-d128-g4-t128-w8", "int4-d128-g1-gs64", "kivi2-d64-g3-residual", "kivi4-d64-g2-gs32-t16",
+                  "turboquant3-d64-g3")
+COMPILE_CONFIGS = ((torch.bfloat16, 1, 16, 4, 2), (torch.float16, 4, 64, 4, 3), (torch.bfloat16, 2, 128, 8, 2),
+                   (torch.bfloat16, 1, 32, 8, 1))
 TOL = {"fp32": 2e-5, "fp16": 3e-3}
 CASES = [f"{s}-{d}" for s in SHAPES for d in DTYPES]
 
@@ -81,7 +95,7 @@ def run_kernels() -> dict:
         d = fmt.head_dim
         pool = ta.ChunkPool.of(fmt, [fmt.buffers(c, 0) for c in chunks])
         out, lse = ta.attention(q, pool, torch.tensor(TABLE, dtype=torch.int32),
-                                torch.tensor(LENGTHS, dtype=torch.int32), d ** -0.5, splits=SHAPES[shape][-1])
+                                torch.tensor(LENGTHS, dtype=torch.int32), d ** -0.5, **SHAPES[shape][-1])
         err_o = err_l = 0.0
         for b in range(len(TABLE)):
             if LENGTHS[b] == 0:
@@ -160,17 +174,19 @@ def run_compile() -> dict:
              torch.uint8: "u8", torch.int32: "i32"}
     names = tk.decode_attention.arg_names
     res = {}
-    for shape in ("int8-d64-g3", "int4-d128-g1-gs64", "kivi2-d64-g3-residual", "turboquant3-d64-g3"):
-        for dtype, splits, tile in ((torch.bfloat16, 1, 16), (torch.float16, 4, 64)):
+    for shape in COMPILE_SHAPES:
+        for dtype, splits, tile, warps, stages in COMPILE_CONFIGS:
             _, chunks, fmt, _, q = _setup(shape, dtype)
             pool = ta.ChunkPool.of(fmt, [fmt.buffers(c, 0) for c in chunks])
             _, args, const = ta.launch(q, pool, torch.tensor(TABLE, dtype=torch.int32),
-                                       torch.tensor(LENGTHS, dtype=torch.int32), 0.125, tile, splits)
+                                       torch.tensor(LENGTHS, dtype=torch.int32), 0.125, tile, splits, warps)
             sig = [f"*{types[a.dtype]}" if isinstance(a, torch.Tensor) else "i32" if isinstance(a, int) else "fp32"
                    for a in args] + ["constexpr"] * len(const)
             src = ASTSource(fn=tk.decode_attention, signature=dict(zip(names, sig)),
                             constexprs={(names.index(k),): v for k, v in const.items()})
-            res[f"{shape}/{types[dtype]}"] = len(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"])
+            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                    options={"num_warps": warps, "num_stages": stages})
+            res[f"{shape}/{types[dtype]}/t{tile}/w{warps}/s{stages}"] = len(kernel.asm["cubin"])
     return res
 
 
@@ -222,7 +238,7 @@ def test_kernel_matches_decompress_attention_bf16_on_cuda(shape):
     pool = ta.ChunkPool.of(fmt, [fmt.buffers(c, 0) for c in chunks], "cuda")
     out, lse = ta.attention(q.cuda(), pool, torch.tensor(TABLE, dtype=torch.int32, device="cuda"),
                             torch.tensor(LENGTHS, dtype=torch.int32, device="cuda"), fmt.head_dim ** -0.5,
-                            splits=SHAPES[shape][-1])
+                            **SHAPES[shape][-1])
     for b in range(len(TABLE)):
         if LENGTHS[b]:
             ro, rl = _reference(q[b], *_prefix(layers, b), fmt.head_dim ** -0.5)
@@ -232,7 +248,7 @@ def test_kernel_matches_decompress_attention_bf16_on_cuda(shape):
 @needs_triton
 def test_kernel_compiles_for_sm90_without_a_gpu():
     cubins = _subprocess("compile")
-    assert len(cubins) == 8 and all(size > 0 for size in cubins.values()), cubins
+    assert len(cubins) == len(COMPILE_SHAPES) * len(COMPILE_CONFIGS) and all(size > 0 for size in cubins.values()), cubins
 
 
 def test_bad_pools_and_tables_are_refused_before_any_kernel_runs():
@@ -250,6 +266,10 @@ def test_bad_pools_and_tables_are_refused_before_any_kernel_runs():
         ta.ChunkPool.of(fmt, [fmt.buffers(chunks[0], 0), fmt.buffers(other, 0)])
     with pytest.raises(ValueError, match="q must be"):
         ta.attention(q[:, :1], pool, torch.zeros(3, 3, dtype=torch.int32), lengths, 0.1)
+    table = torch.tensor(TABLE, dtype=torch.int32)
+    for option, value in (("num_warps", 3), ("num_stages", 0), ("tile", 48), ("splits", 0)):
+        with pytest.raises(ValueError, match=option):
+            ta.attention(q, pool, table, lengths, 0.1, **{option: value})
 
 
 def test_available_needs_a_gpu_or_the_interpreter():
