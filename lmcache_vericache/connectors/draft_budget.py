@@ -15,9 +15,8 @@
   :data:`~.drafts.MAX_PENDING` jobs, each a cache of one prompt's compressed prefix plus at most
   :data:`~.drafts.MAX_TAIL` + ``k`` tokens, freed when its request is taken or forgotten.
 * **GPU:** :meth:`DraftBudget.reserve_device` holds ``limit`` bytes on the device from the proposer's
-  ``load_model`` until :meth:`DraftBudget.release_device`, just before the first draft cache is
-  allocated (see :meth:`~.proposer.CompressedKVProposer.load_model` for why vLLM then leaves those
-  bytes out of its KV cache). On a CPU nothing is reserved: vLLM's CPU worker sizes its KV cache
+  ``load_model`` until the first draft cache is charged (:meth:`DraftBudget.grow`), just before it
+  is allocated (why vLLM then leaves those bytes out of its KV cache: :meth:`DraftBudget.reserve_device`). On a CPU nothing is reserved: vLLM's CPU worker sizes its KV cache
   from ``VLLM_CPU_KVCACHE_SPACE``, not from free memory, so only the accounting applies.
 """
 
@@ -96,9 +95,10 @@ class DraftBudget:
         if device.type == "cuda" and self.limit and self._reserved is None:
             self._reserved = allocate(self.limit, dtype=torch.uint8, device=device)
 
-    def release_device(self) -> None:
-        """Free the reservation (idempotent): the draft caches are about to be allocated in its place."""
-        self._reserved = None
+    @property
+    def reserved(self) -> int:
+        """Bytes held on the device now (0 once released, or where nothing was reserved)."""
+        return 0 if self._reserved is None else self._reserved.numel()
 
 
 def kept_counts(compressor: KVCompressor, chunk_size: int, rt: Runtime) -> list[int]:

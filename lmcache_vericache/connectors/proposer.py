@@ -260,7 +260,7 @@ class CompressedKVProposer:
         if self.gate is not None and not self.gate.step(lengths):
             return self._quiet(out)
         claimed: list[_State] = []
-        work: list[tuple[int, _State, int, int]] = []  # row, state, last position, draft length
+        rows: list[tuple[int, _State, np.ndarray, int]] = []  # row, state, its tokens, draft length
         for i, sampled in enumerate(sampled_token_ids):
             n_tok = int(num_tokens_no_spec[i])
             n = min(self.max_draft, self.max_model_len - n_tok)
@@ -272,17 +272,19 @@ class CompressedKVProposer:
             accepted = n_tok - len(st.tokens) - 2  # new tokens since the last step = accepted + 1
             if st.drafted and 0 <= accepted <= st.drafted:
                 st.horizon.update(st.drafted, accepted, 0.0, 0.0)
-            n = min(n, st.horizon.L)
+            rows.append((i, st, row, min(n, st.horizon.L)))
+        for st in self.states:  # unmatched: finished requests; their bytes come back before caches grow
+            if not any(st is c for c in claimed):
+                self.budget.give(st.nbytes)
+        self.states = claimed
+        work: list[tuple[int, _State, int, int]] = []  # row, state, last position, draft length
+        for i, st, row, n in rows:
             st.drafted = 0
             if not self._sync(st, row, self._block_table[i], n):
                 self.stats.over_budget += 1
                 continue
             st.drafted = n
-            work.append((i, st, n_tok - 1, n))
-        for st in self.states:  # unmatched states belonged to finished requests: their bytes come back
-            if not any(st is c for c in claimed):
-                self.budget.give(st.nbytes)
-        self.states = claimed
+            work.append((i, st, len(row) - 1, n))
         self.stats.cache_bytes = self.budget.held
         t1 = time.perf_counter()
         self.stats.sync_s += t1 - t0
