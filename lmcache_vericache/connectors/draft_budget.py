@@ -9,11 +9,13 @@
   finished or was preempted. ``held`` never exceeds ``limit``, counting the old buffer beside the
   new one while a growing cache is copied. Transient tensors (a chunk being compressed or
   decompressed, on the host) are not charged.
-* **Threading:** one owner, vLLM's worker thread (``propose``); a lock makes a charge from another
-  thread safe all the same. The load-window drafter (:mod:`.drafts`) builds draft caches too, on
-  the connector's load thread, and does *not* charge this budget: it holds at most
-  :data:`~.drafts.MAX_PENDING` jobs, each a cache of one prompt's compressed prefix plus at most
-  :data:`~.drafts.MAX_TAIL` + ``k`` tokens, freed when its request is taken or forgotten.
+* **The load-window drafter** (:mod:`.drafts`) builds draft caches too, one per loading request;
+  the proposer hands it this budget with its runtime. It charges a cache when a load's drafting
+  starts (none is started where it would pass ``limit``) and gives the bytes back when drafting
+  ends (the load finished, the drafts were taken or forgotten), dropping the cache then.
+* **Threading:** charges come from vLLM's worker thread (``propose``) and the connector's load
+  threads (:meth:`~.drafts.LoadDrafter.start`), give-backs from the worker thread and the drafter's
+  thread: one lock guards ``held``.
 * **GPU:** :meth:`DraftBudget.reserve_device` holds ``limit`` bytes on the device from the proposer's
   ``load_model`` until the first draft cache is charged (:meth:`DraftBudget.grow`), just before it
   is allocated (why vLLM then leaves those bytes out of its KV cache: :meth:`DraftBudget.reserve_device`). On a CPU nothing is reserved: vLLM's CPU worker sizes its KV cache

@@ -205,7 +205,12 @@ class CompressedKVProposer:
     # -- vLLM hooks ------------------------------------------------------------------------------
     def load_model(self, target_model: torch.nn.Module) -> None:
         self.rt = runtime_for(target_model)
-        self.context.drafter.attach(self.rt)  # the KV connector's load window drafts with these weights
+        # On CUDA the draft caches' bytes are held from here, inside vLLM's measurement of the
+        # model's memory, until the first draft cache is charged (why: DraftBudget.reserve_device).
+        self.budget = self._new_budget()
+        self.budget.reserve_device(self.rt.device)
+        # The KV connector's load window drafts with these weights, its caches charged to the budget too.
+        self.context.drafter.attach(self.rt, self.budget)
         self._attn = [layer.self_attn.attn for layer in target_model.model.layers]
         target_model.register_forward_pre_hook(self._capture)
         # vLLM's forward and the load-window drafter must not run the model at once (ModelGuard).
@@ -221,10 +226,6 @@ class CompressedKVProposer:
 
         target_model.compute_logits = locked_logits
         target_model._vericache_proposer = self  # reachable from LLM.apply_model (stats, tests)
-        # On CUDA the draft caches' bytes are held from here, inside vLLM's measurement of the
-        # model's memory, until the first draft cache is charged (why: DraftBudget.reserve_device).
-        self.budget = self._new_budget()
-        self.budget.reserve_device(self.rt.device)
 
     def _new_budget(self) -> DraftBudget:
         o, rt = self.opts, self.rt
