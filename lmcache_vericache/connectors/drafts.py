@@ -37,6 +37,7 @@ import torch
 from ..compressors import CompressedKV, KVCompressor
 from ..engine.cache import KVCache, append_chunks
 from ..engine.runtime import Runtime, Segment
+from .draft_budget import DraftBudget, chunk_entries
 from .model_guard import ModelGuard
 
 logger = logging.getLogger("vllm." + __name__)  # shown by vLLM's log handler
@@ -51,6 +52,7 @@ class DraftStats:
     during_load: int = 0  # of those, drafted before the full prefix had loaded
     taken: int = 0  # jobs whose drafts the proposer used (first draft = sampled token)
     mismatched: int = 0  # jobs whose first draft differed from the sampled token
+    over_budget: int = 0  # loads not drafted: their draft cache would pass the proposer's draft_cache_bytes
     draft_s: float = 0.0
 
 
@@ -58,10 +60,11 @@ class DraftJob:
     """One request's drafting; drafts grow in ``tokens`` until ``n``, the end of its load, or
     :meth:`stop`."""
 
-    def __init__(self, req_id: str, prompt: Sequence[int], n: int, cache: KVCache, prefix: int):
+    def __init__(self, req_id: str, prompt: Sequence[int], n: int, cache: KVCache, prefix: int, nbytes: int = 0):
         self.req_id, self.prompt, self.n = req_id, tuple(prompt), n
         self.tokens: list[int] = []
-        self.cache = cache
+        self.cache: KVCache | None = cache  # dropped (its bytes given back) once drafting ends
+        self.nbytes = nbytes
         self.next = list(self.prompt[prefix:])  # tokens of the next forward (the tail, then one draft)
         self.pos = prefix
         self._loaded = threading.Event()
@@ -94,6 +97,7 @@ class LoadDrafter:
     def __init__(self, guard: ModelGuard):
         self.guard = guard
         self._rt: Runtime | None = None
+        self._budget: DraftBudget | None = None
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._active: list[DraftJob] = []
@@ -112,9 +116,10 @@ class LoadDrafter:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
-    def attach(self, rt: Runtime | None) -> None:
-        """The runtime drafts run on (the proposer's, over vLLM's module); ``None`` turns drafting off."""
-        self._rt = rt
+    def attach(self, rt: Runtime | None, budget: DraftBudget | None = None) -> None:
+        """The runtime drafts run on (the proposer's, over vLLM's module); ``None`` turns drafting off.
+        ``budget``: the proposer's, which the draft caches of loads are charged to as well."""
+        self._rt, self._budget = rt, budget
 
     @property
     def can_draft(self) -> bool:
@@ -128,14 +133,21 @@ class LoadDrafter:
               prefix: int, n: int) -> DraftJob | None:
         """Draft ``n`` tokens after ``prompt`` over the compressed chunks ``ckvs`` (its first ``prefix``
         tokens). Builds the draft cache here (the caller's thread), then hands the job to the drafter
-        thread. ``None`` if no runtime is attached, nothing is left to prefill, or the tail is longer
-        than :data:`MAX_TAIL` (its prefill alone would hold the model for longer than a load is worth)."""
-        rt = self._rt
+        thread. ``None`` if no runtime is attached, nothing is left to prefill, the tail is longer
+        than :data:`MAX_TAIL` (its prefill alone would hold the model for longer than a load is worth)
+        or the draft cache would pass the budget (charged here, given back when drafting ends)."""
+        rt, budget = self._rt, self._budget
         if rt is None or self._closed or n <= 0 or not ckvs or not 0 < len(prompt) - prefix <= MAX_TAIL:
             return None
-        cache = rt.new_cache(8)
+        entries = max(sum(g) for g in zip(*map(chunk_entries, ckvs))) + len(prompt) - prefix + n + 1
+        nbytes = entries * rt.kv_bytes_per_token() if budget is not None else 0
+        if budget is not None and not budget.grow(0, nbytes):
+            with self._lock:
+                self._stats.over_budget += 1
+            return None
+        cache = rt.new_cache(entries)
         append_chunks(cache, ckvs, compressor, room=len(prompt) - prefix + n + 1)
-        job = DraftJob(req_id, prompt, n, cache, prefix)
+        job = DraftJob(req_id, prompt, n, cache, prefix, nbytes)
         with self._work:
             self._jobs[job.prompt] = job
             while len(self._jobs) > MAX_PENDING:
@@ -186,6 +198,9 @@ class LoadDrafter:
             with self._work:
                 for job in [j for j in self._active if not j.active]:
                     self._active.remove(job)
+                    job.cache = None  # the drafts are in job.tokens: the cache's bytes go back
+                    if self._budget is not None:
+                        self._budget.give(job.nbytes)
                     job.done.set()
                 while not self._active and not self._closed:
                     self._work.wait()

@@ -28,6 +28,10 @@ environment variables (``additional_config`` wins):
   :class:`PayGate` compares tokens per second of steps after a proposal against steps without,
   measured in the run, and goes quiet where drafting does not beat a plain step, probing again ever
   more rarely.
+* ``draft_cache_bytes`` (int >= 0 or ``"auto"``, the default): most bytes the draft caches hold
+  together; a request whose cache would pass it is not drafted that step. ``"auto"`` fits
+  ``max_num_seqs`` requests of ``max_model_len`` tokens (:func:`.draft_budget.auto_bytes`). On a GPU
+  the bytes are taken from vLLM's KV cache; on a CPU they only bound the proposer (:mod:`.draft_budget`).
 
 With the package's KV connector (:mod:`.vericache_connector`) in the same vLLM, the proposer drafts
 over the store's compressed chunks (the connector's compressor and chunk size; ``compressor`` and
@@ -66,6 +70,7 @@ from ..engine.horizon import Horizon
 from ..engine.runtime import Segment
 from ..options import parse_options
 from . import paged_layout as pl
+from .draft_budget import DraftBudget, auto_bytes, chunk_entries, kept_counts
 from .kv_layout import KVLayout
 from .kv_layout import layout_for as kv_layout_for
 from .pay_gate import MAX_BYTES_RATIO, PayGate, weight_bytes
@@ -89,9 +94,13 @@ class ProposerOptions:
     # Propose only while it pays (tokens per second measured with and without proposals, PayGate);
     # false: always propose.
     gate: bool = True
+    draft_cache_bytes: int | str = "auto"
 
     def validate(self) -> None:
         """Raises ``ValueError`` whose message starts with the offending option's name."""
+        b = self.draft_cache_bytes
+        if b != "auto" and not (isinstance(b, int) and b >= 0):
+            raise ValueError(f'draft_cache_bytes must be an int >= 0 or "auto", got {b!r}')
         for name, low in (("chunk_size", 1), ("window", 0), ("max_draft", 1)):
             value = getattr(self, name)
             if value is not None and value < low:
@@ -138,6 +147,7 @@ class _State:
     horizon: Horizon
     prefix: int = 0
     drafted: int = 0  # drafts proposed at the last step
+    nbytes: int = 0  # of the cache's buffers, charged to the proposer's DraftBudget
     # How the prefix is chunked: the KV connector's store (its compressor and chunk size, chunks read
     # from it where it has them) or this proposer's own options (chunks compressed here).
     source: ChunkSource | None = None
@@ -156,6 +166,8 @@ class ProposerStats:
     load_drafts: int = 0  # tokens proposed from drafts made during a prefix load
     load_accepted: list[int] = field(default_factory=list)  # of those, accepted by vLLM, per request (alpha)
     gated_steps: int = 0  # steps the gate kept quiet
+    over_budget: int = 0  # requests not drafted in a step: their draft cache would pass draft_cache_bytes
+    cache_bytes: int = 0  # bytes the draft caches hold after the last step
 
 
 class CompressedKVProposer:
@@ -173,6 +185,8 @@ class CompressedKVProposer:
         self.compressor = compressors.get(self.opts.compressor, **self.opts.compressor_params)
         self.max_draft = self.opts.max_draft or self.k
         self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.max_num_seqs = int(getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", 1))
+        self.budget: DraftBudget | None = None  # sized once the model's shape is known (load_model)
         cache = getattr(vllm_config, "cache_config", None)  # vLLM's block (kernel blocks may be smaller)
         self.block_size: int | None = int(cache.block_size) if cache is not None else None
         self.context = WorkerContext.of(vllm_config)
@@ -191,7 +205,12 @@ class CompressedKVProposer:
     # -- vLLM hooks ------------------------------------------------------------------------------
     def load_model(self, target_model: torch.nn.Module) -> None:
         self.rt = runtime_for(target_model)
-        self.context.drafter.attach(self.rt)  # the KV connector's load window drafts with these weights
+        # On CUDA the draft caches' bytes are held from here, inside vLLM's measurement of the
+        # model's memory, until the first draft cache is charged (why: DraftBudget.reserve_device).
+        self.budget = self._new_budget()
+        self.budget.reserve_device(self.rt.device)
+        # The KV connector's load window drafts with these weights, its caches charged to the budget too.
+        self.context.drafter.attach(self.rt, self.budget)
         self._attn = [layer.self_attn.attn for layer in target_model.model.layers]
         target_model.register_forward_pre_hook(self._capture)
         # vLLM's forward and the load-window drafter must not run the model at once (ModelGuard).
@@ -207,6 +226,12 @@ class CompressedKVProposer:
 
         target_model.compute_logits = locked_logits
         target_model._vericache_proposer = self  # reachable from LLM.apply_model (stats, tests)
+
+    def _new_budget(self) -> DraftBudget:
+        o, rt = self.opts, self.rt
+        return DraftBudget(o.draft_cache_bytes if o.draft_cache_bytes != "auto" else auto_bytes(
+            self.max_num_seqs, self.max_model_len, kept_counts(self.compressor, o.chunk_size, rt), o.chunk_size,
+            o.chunk_size + o.window + self.max_draft, rt.kv_bytes_per_token()))
 
     def _capture(self, module: torch.nn.Module, args: Any) -> None:
         """Keep the block table of the step's forward; ``propose`` runs after it in the same step."""
@@ -224,6 +249,7 @@ class CompressedKVProposer:
         if self.rt is None or self._block_table is None:
             return out
         self.stats.steps += 1
+        self.budget = self.budget or self._new_budget()
         t0 = time.perf_counter()
         if self._first:
             self._count_first_acceptance(num_tokens_no_spec, token_ids_cpu)
@@ -235,7 +261,7 @@ class CompressedKVProposer:
         if self.gate is not None and not self.gate.step(lengths):
             return self._quiet(out)
         claimed: list[_State] = []
-        work: list[tuple[int, _State, int, int]] = []  # row, state, last position, draft length
+        rows: list[tuple[int, _State, np.ndarray, int]] = []  # row, state, its tokens, draft length
         for i, sampled in enumerate(sampled_token_ids):
             n_tok = int(num_tokens_no_spec[i])
             n = min(self.max_draft, self.max_model_len - n_tok)
@@ -247,11 +273,20 @@ class CompressedKVProposer:
             accepted = n_tok - len(st.tokens) - 2  # new tokens since the last step = accepted + 1
             if st.drafted and 0 <= accepted <= st.drafted:
                 st.horizon.update(st.drafted, accepted, 0.0, 0.0)
-            n = min(n, st.horizon.L)
+            rows.append((i, st, row, min(n, st.horizon.L)))
+        for st in self.states:  # unmatched: finished requests; their bytes come back before caches grow
+            if not any(st is c for c in claimed):
+                self.budget.give(st.nbytes)
+        self.states = claimed
+        work: list[tuple[int, _State, int, int]] = []  # row, state, last position, draft length
+        for i, st, row, n in rows:
+            st.drafted = 0
+            if not self._sync(st, row, self._block_table[i], n):
+                self.stats.over_budget += 1
+                continue
             st.drafted = n
-            self._sync(st, row, self._block_table[i], n)
-            work.append((i, st, n_tok - 1, n))
-        self.states = claimed  # unmatched states belonged to finished requests
+            work.append((i, st, len(row) - 1, n))
+        self.stats.cache_bytes = self.budget.held
         t1 = time.perf_counter()
         self.stats.sync_s += t1 - t0
         tokens = {i: int(token_ids_cpu[i, pos]) for i, _, pos, _ in work}
@@ -343,11 +378,12 @@ class CompressedKVProposer:
             m = len(st.tokens)
             if m < len(row) and (best is None or m > len(best.tokens)) and np.array_equal(st.tokens, row[:m]):
                 best = st
-        if best is None:
-            return _State(self.rt.new_cache(max(256, len(row) + self.max_draft)), row[:0].copy(), self._horizon(),
-                          source=self.context.source)
-        if any(best is c for c in claimed):  # two rows with one history: give the second its own copy
-            return _State(best.cache.clone(), best.tokens.copy(), self._horizon(), best.prefix, source=best.source)
+        if best is not None and any(best is c for c in claimed) and self.budget.grow(0, best.nbytes):
+            # Two rows with one history: the second gets its own copy (else a fresh state).
+            return _State(best.cache.clone(), best.tokens.copy(), self._horizon(), best.prefix,
+                          nbytes=best.nbytes, source=best.source)
+        if best is None or any(best is c for c in claimed):  # an empty cache: _sync grows it within the budget
+            return _State(self.rt.new_cache(0), row[:0].copy(), self._horizon(), source=self.context.source)
         return best
 
     def _horizon(self) -> Horizon:
@@ -356,35 +392,43 @@ class CompressedKVProposer:
         start = min(4, self.max_draft) if self.opts.adaptive else self.max_draft
         return Horizon("auto" if self.opts.adaptive else self.max_draft, self.max_draft, start_len=start)
 
-    def _sync(self, st: _State, row: np.ndarray, block_ids: Tensor, n_draft: int) -> None:
+    def _sync(self, st: _State, row: np.ndarray, block_ids: Tensor, n_draft: int) -> bool:
         """Bring the draft cache to the committed tokens ``row[:-1]`` (the last one has no KV yet):
         append newly completed chunks to its prefix (from the KV connector's store where it has them,
-        else compressed here from vLLM's cache), then copy the exact KV of the rest from vLLM's cache."""
+        else compressed here from vLLM's cache), then copy the exact KV of the rest from vLLM's cache.
+        ``False`` (the state unchanged) where the cache would pass the budget."""
         valid, source = len(row) - 1, st.source
         compressor, c = (source.store.compressor, source.chunk_size) if source else (self.compressor, self.opts.chunk_size)
         upto = max(st.prefix, (valid - self.opts.window) // c * c)
         keys = source.space.token_keys(row[:upto].tolist()) if source and upto > st.prefix else None
-        ckvs = []
+        ckvs, stored = [], []
         for s in range(st.prefix, upto, c):
             ckv = source.store.get_compressed(keys[s // c]) if keys else None
+            stored.append(ckv is not None)
             if ckv is None:
                 ckv = compressor.compress(kv_to_2ltd(*self._read(block_ids, s, s + c)), self.rt.num_kv_heads, start=s)
-                self.stats.chunks += 1
-            else:
-                self.stats.store_chunks += 1
-            self.stats.compressed_bytes += ckv.nbytes
-            self.stats.full_bytes += ckv.full_nbytes
             ckvs.append(ckv)
+        # The exact size first (prefix entries by the chunks' own count, suffix, draft room), in whole chunks.
+        gained = [sum(g) for g in zip(*map(chunk_entries, ckvs))] if ckvs else [0] * len(st.cache.base)
+        need = max(b + g for b, g in zip(st.cache.base, gained)) + valid - upto + n_draft
+        nbytes = self.budget.grow_cache(st.cache, st.nbytes, need, c)
+        if nbytes is None:
+            return False
+        st.nbytes = nbytes
+        self.stats.chunks += len(stored) - sum(stored)
+        self.stats.store_chunks += sum(stored)
+        self.stats.compressed_bytes += sum(ckv.nbytes for ckv in ckvs)
+        self.stats.full_bytes += sum(ckv.full_nbytes for ckv in ckvs)
         if ckvs:
             append_chunks(st.cache, ckvs, compressor)  # drops the exact suffix: copied again below
             st.prefix = upto
-        st.cache.reserve(max(st.cache.base) + valid - st.prefix + n_draft)
         have = st.prefix + st.cache.n
         if have < valid:
             k, v = self._read(block_ids, have, valid)
             st.cache.write_suffix(st.cache.n, k, v)
             st.cache.n = valid - st.prefix
         st.tokens = row[:valid].copy()
+        return True
 
     def _kv_layout(self) -> KVLayout:
         """The layout strategy of vLLM's caches (the CPU probe or the logical view: :mod:`.kv_layout`)."""

@@ -68,13 +68,14 @@ class KVCache:
         dense = sum(self.length(li) for li in range(len(self.base))) * per_entry
         return dense + (self.packed.nbytes if self.packed is not None else 0)
 
-    def reserve(self, need: int) -> None:
+    def reserve(self, need: int, exact: bool = False) -> None:
         """Grow the buffers in place to hold ``need`` entries per layer (at least doubling, so a cache
-        grown a little at a time is copied rarely)."""
+        grown a little at a time is copied rarely; ``exact``: to ``need``, for a caller that charges
+        the bytes)."""
         if need <= self.capacity:
             return
         layers, heads, cap, d = self.k.shape
-        grown = KVCache.empty(layers, heads, d, max(need, 2 * cap), self.k.dtype, self.k.device)
+        grown = KVCache.empty(layers, heads, d, need if exact else max(need, 2 * cap), self.k.dtype, self.k.device)
         grown.k[:, :, :cap], grown.v[:, :, :cap] = self.k, self.v
         self.k, self.v = grown.k, grown.v
 

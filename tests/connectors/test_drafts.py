@@ -38,3 +38,34 @@ def test_exit_while_drafting_stops_the_drafter_thread_cleanly(tmp_path):
         done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0 and "exiting" in done.stdout, done.stderr[-2000:]
         assert "terminate called" not in done.stderr
+
+
+def test_load_drafts_are_charged_to_the_proposers_budget_and_give_it_back(tiny_model):
+    import torch
+
+    from lmcache_vericache import compressors
+    from lmcache_vericache.connectors.draft_budget import DraftBudget
+    from lmcache_vericache.connectors.drafts import LoadDrafter
+    from lmcache_vericache.connectors.model_guard import ModelGuard
+    from lmcache_vericache.engine import Runtime
+
+    rt = Runtime(tiny_model)
+    comp = compressors.get("streamingllm", keep_ratio=0.25)  # keeps 16 of a 64-token chunk per layer
+    ckv = comp.compress(torch.randn(2, rt.num_layers, 64, rt.num_kv_heads * rt.head_dim), rt.num_kv_heads, start=0)
+    job_bytes = (16 + 20 + 4 + 1) * rt.kv_bytes_per_token()  # prefix + 20-token tail + 4 drafts + 1
+    budget = DraftBudget(job_bytes + job_bytes // 2)  # one load's cache, not two
+    drafter = LoadDrafter(ModelGuard())
+    drafter.attach(rt, budget)
+    try:
+        prompts = [[(t * (i + 1)) % 256 for t in range(84)] for i in range(3)]
+        first = drafter.start("a", prompts[0], [ckv], comp, 64, 4)
+        assert first is not None and budget.held == first.nbytes == job_bytes
+        assert first.cache.k.nbytes + first.cache.v.nbytes == job_bytes
+        assert drafter.start("b", prompts[1], [ckv], comp, 64, 4) is None  # would pass the budget
+        assert drafter.stats()["over_budget"] == 1
+        assert len(drafter.take(prompts[0])) <= 4  # drafting ends: the cache is dropped, its bytes come back
+        assert first.cache is None and budget.held == 0
+        third = drafter.start("c", prompts[2], [ckv], comp, 64, 4)
+        assert third is not None and budget.held == job_bytes
+    finally:
+        drafter.close()

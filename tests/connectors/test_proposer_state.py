@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lmcache_vericache.connectors import paged_layout as pl
+from lmcache_vericache.connectors.draft_budget import DraftBudget
 from lmcache_vericache.connectors.kv_layout import CpuBlockLayout
 from lmcache_vericache.connectors.proposer import CompressedKVProposer
 from lmcache_vericache.engine import Runtime, Segment
@@ -66,12 +67,13 @@ class Target:
         self._compute(start)
 
 
-def make(tiny_model, compressor="none", **opts):
+def make(tiny_model, compressor="none", max_num_seqs=4, **opts):
     # The pay gate would keep the first steps quiet (it measures plain steps first); these tests are
     # about the draft state, test_pay_gate.py about the gate.
     opts = {"gate": False, **opts}
     cfg = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=K),
                           model_config=SimpleNamespace(max_model_len=4096),
+                          scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
                           additional_config={"vericache_proposer": {"compressor": compressor, **opts}})
     p = CompressedKVProposer(cfg)
     p.rt = Runtime(tiny_model)
@@ -154,3 +156,86 @@ def test_bytes_bound_counts_the_entries_a_dense_draft_cache_keeps(tiny_model):
     assert abs(p._kept_ratio(None) - 0.25) < 0.02
     p._weight_bytes = 10 ** 6
     assert p._may_pay([10 ** 8 // kv]) and not p._may_pay([10])  # KV-bound: may pay; weight-bound: not
+
+
+def test_auto_budget_fits_max_num_seqs_requests_at_the_compressors_size(tiny_model):
+    # Per request: max_model_len tokens at the entries a layer keeps of a 128-token chunk, plus the
+    # open chunk, window and draft room (dense), in whole chunks; K/V of 2 layers x 2 heads x 32 fp32.
+    per_token = 2 * 2 * 2 * 32 * 4
+    p, _ = make(tiny_model, compressor="streamingllm", compressor_params={"keep_ratio": 0.25}, max_num_seqs=3)
+    assert p.opts.draft_cache_bytes == "auto" and p.rt.kv_bytes_per_token() == per_token
+    # streamingllm keeps 32 of 128: 4096 * 32/128 = 1024 entries + 128 + 0 + 4 = 1156 -> 1280.
+    assert p._new_budget().limit == 3 * 1280 * per_token
+    p, _ = make(tiny_model, compressor="int8", window=16, max_num_seqs=2)  # a quantizer keeps every entry
+    assert p._new_budget().limit == 2 * 4352 * per_token  # 4096 + 128 + 16 + 4 = 4244 -> 4352
+    p, _ = make(tiny_model, draft_cache_bytes=12345)
+    assert p._new_budget().limit == 12345
+
+
+def test_budget_admits_n_caches_refuses_the_next_and_takes_freed_bytes_back(tiny_model):
+    # Each request: 200-token prompt -> one 128-token chunk + 71 exact + 4 drafts = 203 entries -> 256.
+    cache_bytes = 256 * 2 * 2 * 2 * 32 * 4  # K/V of 2 layers x 2 heads x 32 fp32 per entry
+    p, paged = make(tiny_model, draft_cache_bytes=2 * cache_bytes)
+    g = torch.Generator().manual_seed(2)
+    a, b, c = (Target(p.rt, [3 * j, 3 * j + 1], torch.randint(0, 256, (200,), generator=g).tolist(), paged)
+               for j in range(3))
+    out = call(p, [a, b, c])
+    assert out[0] == a.greedy(K) and out[1] == b.greedy(K) and out[2] == []  # c's cache would pass the budget
+    assert p.stats.over_budget == 1 and p.budget.held == p.stats.cache_bytes == 2 * cache_bytes
+    assert sorted(st.nbytes for st in p.states) == [0, cache_bytes, cache_bytes]
+    assert all(st.cache.k.nbytes + st.cache.v.nbytes == st.nbytes for st in p.states)
+    # a finished: its state is dropped and its bytes come back, so c is drafted now (exactly).
+    out = call(p, [b, c])
+    assert out == [b.greedy(K), c.greedy(K)] and p.stats.over_budget == 1
+    assert len(p.states) == 2 and p.budget.held == p.stats.cache_bytes == 2 * cache_bytes
+    # Every request gone: every byte is back.
+    p._block_table = torch.zeros(1, 8, dtype=torch.int64)
+    assert p.propose([[]], np.array([0]), np.zeros((1, 8), dtype=np.int32)) == [[]]
+    assert p.states == [] and p.budget.held == 0
+
+
+def test_growth_counts_old_and_new_buffer_and_zero_budget_drafts_nothing(tiny_model):
+    b = DraftBudget(100)
+    assert b.grow(0, 60) and b.held == 60
+    assert not b.grow(60, 50) and b.held == 60  # 60 + 50 exist at once during the copy
+    assert b.grow(60, 40) and b.held == 40
+    b.give(40)
+    assert b.held == 0
+    p, paged = make(tiny_model, draft_cache_bytes=0)
+    t = Target(p.rt, [1, 2], list(range(10, 150)), paged)
+    assert call(p, [t]) == [[]] and call(p, [t]) == [[]] and p.stats.over_budget == 2 and p.budget.held == 0
+
+
+class FakeDeviceAlloc:
+    """Stands in for a CUDA allocation (no GPU here): records the call, returns a meta tensor."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, n, *, dtype, device):
+        self.calls.append((n, dtype, device))
+        return torch.empty(n, dtype=dtype, device="meta")
+
+
+def test_cuda_reservation_held_until_the_first_draft_cache_is_charged(tiny_model):
+    for device, limit in (("cpu", 1000), ("cuda", 0)):  # CPU: accounting only; nothing to hold
+        alloc = FakeDeviceAlloc()
+        DraftBudget(limit).reserve_device(device, allocate=alloc)
+        assert alloc.calls == []
+    p, paged = make(tiny_model, draft_cache_bytes=10 ** 6)
+    p.budget, alloc = p._new_budget(), FakeDeviceAlloc()
+    p.budget.reserve_device("cuda", allocate=alloc)
+    p.budget.reserve_device("cuda", allocate=alloc)  # held once
+    assert alloc.calls == [(10 ** 6, torch.uint8, torch.device("cuda"))] and p.budget.reserved == 10 ** 6
+    t = Target(p.rt, [4, 5], list(range(20, 220)), paged)
+    assert call(p, [t]) == [t.greedy(K)]
+    assert p.budget.reserved == 0 and p.budget.held > 0  # released for the draft caches
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_reservation_is_device_memory():
+    before = torch.cuda.mem_get_info()[0]
+    b = DraftBudget(256 << 20)
+    b.reserve_device("cuda")
+    assert before - torch.cuda.mem_get_info()[0] >= 256 << 20
+    assert b.grow(0, 1) and b.reserved == 0
