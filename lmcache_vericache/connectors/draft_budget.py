@@ -36,6 +36,11 @@ from ..engine.runtime import Runtime
 
 Tensor = torch.Tensor
 
+# "auto" on a GPU takes at most this share of the memory vLLM may use (gpu_memory_utilization x the
+# device's memory): a dense draft cache per request could otherwise claim as much as vLLM's own KV
+# and leave it none. Requests past it are not drafted (output unchanged).
+AUTO_DEVICE_SHARE = 0.1
+
 
 class DraftBudget:
     """Bytes the draft caches may hold (``limit``) and hold now (``held``); see the module docstring."""
@@ -117,14 +122,26 @@ def chunk_entries(ckv: CompressedKV) -> list[int]:
     return [int(b["pos"].shape[1]) if "pos" in b else ckv.num_tokens for b in ckv.buffers_by_layer()]
 
 
+def device_cap(device: torch.device, utilization: float, total: int | None = None) -> int | None:
+    """The most bytes ``"auto"`` may take on ``device``: :data:`AUTO_DEVICE_SHARE` of the
+    ``utilization`` share of its memory (``total``: the device's, read when not given); ``None`` off
+    CUDA (no reservation there)."""
+    if torch.device(device).type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory if total is None else total
+    return int(AUTO_DEVICE_SHARE * utilization * total)
+
+
 def auto_bytes(max_num_seqs: int, max_model_len: int, kept: list[int], chunk_size: int, exact: int,
-               bytes_per_token: int) -> int:
+               bytes_per_token: int, cap: int | None = None) -> int:
     """``draft_cache_bytes: "auto"``: ``max_num_seqs`` draft caches of a ``max_model_len``-token
     request. A cache's buffers are as long as its longest layer, so a request counts that layer's
     share of each chunk (``max(kept) / chunk_size``, :func:`kept_counts` of the proposer's own
     ``compressor`` and ``chunk_size``, also where a KV connector's store supplies the chunks) of
     its tokens, plus ``exact`` dense entries (the open chunk, the window, the draft room), rounded
     up to whole chunks as the proposer grows caches. For a quantizer (every entry kept) this is as
-    much as vLLM's own KV at full concurrency: set a byte count, or draft with an evicting method."""
+    much as vLLM's own KV at full concurrency: set a byte count, or draft with an evicting method.
+    At most ``cap`` (:func:`device_cap` on a GPU)."""
     entries = math.ceil(max_model_len * max(kept) / chunk_size) + exact
-    return max_num_seqs * math.ceil(entries / chunk_size) * chunk_size * bytes_per_token
+    need = max_num_seqs * math.ceil(entries / chunk_size) * chunk_size * bytes_per_token
+    return need if cap is None else min(need, cap)

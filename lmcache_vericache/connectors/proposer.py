@@ -30,8 +30,9 @@ environment variables (``additional_config`` wins):
   more rarely.
 * ``draft_cache_bytes`` (int >= 0 or ``"auto"``, the default): most bytes the draft caches hold
   together; a request whose cache would pass it is not drafted that step. ``"auto"`` fits
-  ``max_num_seqs`` requests of ``max_model_len`` tokens (:func:`.draft_budget.auto_bytes`). On a GPU
-  the bytes are taken from vLLM's KV cache; on a CPU they only bound the proposer (:mod:`.draft_budget`).
+  ``max_num_seqs`` requests of ``max_model_len`` tokens (:func:`.draft_budget.auto_bytes`), on a GPU
+  at most a tenth of ``gpu_memory_utilization`` of its memory. On a GPU the bytes are taken from
+  vLLM's KV cache; on a CPU they only bound the proposer (:mod:`.draft_budget`).
 
 With the package's KV connector (:mod:`.vericache_connector`) in the same vLLM, the proposer drafts
 over the store's compressed chunks (the connector's compressor and chunk size; ``compressor`` and
@@ -70,7 +71,7 @@ from ..engine.horizon import Horizon
 from ..engine.runtime import Segment
 from ..options import parse_options
 from . import paged_layout as pl
-from .draft_budget import DraftBudget, auto_bytes, chunk_entries, kept_counts
+from .draft_budget import DraftBudget, auto_bytes, chunk_entries, device_cap, kept_counts
 from .kv_layout import KVLayout
 from .kv_layout import layout_for as kv_layout_for
 from .pay_gate import MAX_BYTES_RATIO, PayGate, weight_bytes
@@ -189,6 +190,7 @@ class CompressedKVProposer:
         self.budget: DraftBudget | None = None  # sized once the model's shape is known (load_model)
         cache = getattr(vllm_config, "cache_config", None)  # vLLM's block (kernel blocks may be smaller)
         self.block_size: int | None = int(cache.block_size) if cache is not None else None
+        self.mem_share = float(getattr(cache, "gpu_memory_utilization", 0.9) or 0.9)  # for "auto" on a GPU
         self.context = WorkerContext.of(vllm_config)
         self.states: list[_State] = []
         self.stats = ProposerStats()
@@ -231,7 +233,7 @@ class CompressedKVProposer:
         o, rt = self.opts, self.rt
         return DraftBudget(o.draft_cache_bytes if o.draft_cache_bytes != "auto" else auto_bytes(
             self.max_num_seqs, self.max_model_len, kept_counts(self.compressor, o.chunk_size, rt), o.chunk_size,
-            o.chunk_size + o.window + self.max_draft, rt.kv_bytes_per_token()))
+            o.chunk_size + o.window + self.max_draft, rt.kv_bytes_per_token(), device_cap(rt.device, self.mem_share)))
 
     def _capture(self, module: torch.nn.Module, args: Any) -> None:
         """Keep the block table of the step's forward; ``propose`` runs after it in the same step."""

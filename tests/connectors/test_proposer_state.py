@@ -172,6 +172,17 @@ def test_auto_budget_fits_max_num_seqs_requests_at_the_compressors_size(tiny_mod
     assert p._new_budget().limit == 12345
 
 
+def test_auto_budget_on_a_gpu_takes_at_most_a_share_of_vllms_memory():
+    from lmcache_vericache.connectors.draft_budget import AUTO_DEVICE_SHARE, auto_bytes, device_cap
+
+    assert device_cap(torch.device("cpu"), 0.9) is None  # no reservation on a CPU: no cap
+    cap = device_cap(torch.device("cuda"), 0.9, total=80 << 30)
+    assert cap == int(AUTO_DEVICE_SHARE * 0.9 * (80 << 30))
+    need = auto_bytes(256, 8192, [128] * 30, 128, 140, 23040)  # 256 dense 8k caches: ~50 GB
+    assert need > cap and auto_bytes(256, 8192, [128] * 30, 128, 140, 23040, cap) == cap
+    assert auto_bytes(1, 1024, [128], 128, 140, 100, cap) < cap  # small needs are not raised to it
+
+
 def test_budget_admits_n_caches_refuses_the_next_and_takes_freed_bytes_back(tiny_model):
     # Each request: 200-token prompt -> one 128-token chunk + 71 exact + 4 drafts = 203 entries -> 256.
     cache_bytes = 256 * 2 * 2 * 2 * 32 * 4  # K/V of 2 layers x 2 heads x 32 fp32 per entry
