@@ -68,10 +68,11 @@ import torch
 from .. import compressors
 from ..engine.cache import KVCache, append_chunks, kv_to_2ltd
 from ..engine.horizon import Horizon
-from ..engine.runtime import Segment
 from ..options import parse_options
 from . import paged_layout as pl
+from .device_io import TorchCuda
 from .draft_budget import DraftBudget, auto_bytes, chunk_entries, device_cap, kept_counts
+from .draft_loop import greedy_drafts
 from .kv_layout import KVLayout
 from .kv_layout import layout_for as kv_layout_for
 from .pay_gate import MAX_BYTES_RATIO, PayGate, weight_bytes
@@ -203,6 +204,7 @@ class CompressedKVProposer:
         self._layout: KVLayout | None = None  # vLLM's paged KV of the layers, read on first use
         self._block_table: Tensor | None = None
         self._first: list[tuple[np.ndarray, int]] = []  # load drafts proposed last step: (row, proposed)
+        self._draft_stream: tuple[TorchCuda, Any] | None = None  # CUDA: (ops, the drafter's own stream)
 
     # -- vLLM hooks ------------------------------------------------------------------------------
     def load_model(self, target_model: torch.nn.Module) -> None:
@@ -291,21 +293,23 @@ class CompressedKVProposer:
         self.stats.cache_bytes = self.budget.held
         t1 = time.perf_counter()
         self.stats.sync_s += t1 - t0
-        tokens = {i: int(token_ids_cpu[i, pos]) for i, _, pos, _ in work}
-        for step in range(max((n for *_, n in work), default=0)):
-            live = [(i, st, pos) for i, st, pos, n in work if n > step]
-            with self.context.guard.vllm():  # a draft forward on vLLM's thread: the load drafter waits
-                logits, _ = self.rt.forward(torch.tensor([tokens[i] for i, _, _ in live]),
-                                            torch.tensor([pos + step for _, _, pos in live]),
-                                            [Segment(st.cache, 1) for _, st, _ in live])
-            for (i, _, _), t in zip(live, logits.argmax(-1).tolist()):
-                out[i].append(t)
-                tokens[i] = t
+        drafts = greedy_drafts(self.rt, [int(token_ids_cpu[i, pos]) for i, _, pos, _ in work],
+                               [pos for _, _, pos, _ in work], [st.cache for _, st, _, _ in work],
+                               [n for *_, n in work], self.context.guard.vllm, *self._streams())
+        for (i, *_), d in zip(work, drafts):
+            out[i] = d
         for _, st, _, _ in work:  # forget the draft tokens' KV
             st.cache.n = len(st.tokens) - st.prefix
         self.stats.draft_s += time.perf_counter() - t1
         self.stats.proposed += sum(len(o) for o in out)
         return out
+
+    def _streams(self) -> tuple[TorchCuda | None, Any]:
+        """The drafter's own stream on CUDA (made once; :mod:`.draft_loop` says why), none elsewhere."""
+        if self.rt.device.type == "cuda" and self._draft_stream is None:
+            ops = TorchCuda(self.rt.device)
+            self._draft_stream = (ops, ops.new_stream())
+        return self._draft_stream or (None, None)
 
     def _quiet(self, out: list[list[int]]) -> list[list[int]]:
         """A step without proposals: states are kept (caught up when proposing again); none of them
@@ -318,11 +322,9 @@ class CompressedKVProposer:
     def _may_pay(self, lengths: list[int]) -> bool:
         """The bytes bound: a draft step must read at most ``MAX_BYTES_RATIO`` of the bytes of a
         plain step (weights plus every row's KV, against weights plus the KV entries the draft
-        cache keeps: a quantizer's chunks are decompressed, so int8 drafting reads as much as a
-        plain step and never passes). Where the
-        weights dominate (short contexts, small batches) no acceptance can make drafting pay,
-        so the proposer does not even probe (building draft states alone would cost more than the
-        5% it may)."""
+        cache keeps: a quantizer's chunks are decompressed, so int8 drafting never passes). Where
+        the weights dominate (short contexts, small batches) no acceptance can make drafting pay,
+        so the proposer does not even probe (building draft states alone would cost more)."""
         if self._weight_bytes is None:
             return True
         ratio = self._kept_ratio(self.context.source)

@@ -5,8 +5,6 @@ before the device finished" cannot pass by luck."""
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
 
 import pytest
@@ -21,82 +19,13 @@ from lmcache_vericache.backends.keys import KeySpace  # noqa: E402
 from lmcache_vericache.backends.store import DualTierStore  # noqa: E402
 from lmcache_vericache.backends.tiers.memory import MemoryTier  # noqa: E402
 from lmcache_vericache.connectors import paged_layout as pl  # noqa: E402
-from lmcache_vericache.connectors.device_io import CudaIO, StreamOps  # noqa: E402
+from lmcache_vericache.connectors.device_io import CudaIO  # noqa: E402
 from lmcache_vericache.connectors.kv_layout import LogicalLayout  # noqa: E402
 from lmcache_vericache.connectors.paged_transfer import ConnectorStats, LoadSpec, PagedTransfer, SaveSpec  # noqa: E402
 from lmcache_vericache.testing.paged_caches import backend_kv, vllm_caches  # noqa: E402
+from lmcache_vericache.testing.streams import FakeStreams  # noqa: E402
 
 L, H, D, BLOCK, CHUNK = 3, 2, 8, 16, 32
-
-
-class Event:
-    def __init__(self, name: str) -> None:
-        self.name, self.done = name, False
-
-
-class FakeStreams(StreamOps):
-    """Records every operation as ``(op, stream, detail)``; the "device" is the CPU."""
-
-    def __init__(self) -> None:
-        self.log: list[tuple[str, str, str]] = []
-        self.events: list[Event] = []
-        self._local = threading.local()
-        self._lock = threading.Lock()
-        self._n = 0
-
-    def note(self, op: str, detail: str = "") -> None:
-        with self._lock:
-            self.log.append((op, self.current_stream(), detail))
-
-    def new_stream(self) -> str:
-        self._n += 1
-        return f"side{self._n}"
-
-    def current_stream(self) -> str:
-        return getattr(self._local, "stream", "compute")
-
-    @contextlib.contextmanager
-    def use(self, stream: str):
-        prev, self._local.stream = self.current_stream(), stream
-        try:
-            yield
-        finally:
-            self._local.stream = prev
-
-    def record(self, stream: str) -> Event:
-        with self._lock:
-            ev = Event(f"e{len(self.events)}")
-            self.events.append(ev)
-            self.log.append(("record", stream, ev.name))
-        return ev
-
-    def wait(self, stream: str, event: Event) -> None:
-        self.note("wait", event.name)
-
-    def query(self, event: Event) -> bool:
-        return event.done
-
-    def synchronize(self, event: Event) -> None:
-        self.note("sync", event.name)
-        event.done = True
-
-    def complete(self) -> None:
-        for ev in self.events:
-            ev.done = True
-
-    def pinned(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
-
-    def h2d(self, host: torch.Tensor) -> torch.Tensor:
-        self.note("h2d")
-        return host.clone()
-
-    def d2h(self, host: torch.Tensor, dev: torch.Tensor) -> None:
-        self.note("d2h")
-        host.copy_(dev)
-
-    def ops(self, *names: str) -> list[tuple[str, str, str]]:
-        return [e for e in self.log if e[0] in names]
 
 
 def chunk_bytes(caches) -> int:
@@ -117,7 +46,7 @@ def rig(slabs: int = 8):
     return store, caches, fake, t
 
 
-def until(cond, timeout: float = 10) -> None:
+def until(cond, timeout: float = 30) -> None:  # liveness only: a loaded host is slow
     deadline = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < deadline
