@@ -88,10 +88,12 @@ def test_scheduling_changes_speed_not_tokens(tiny_model, variant):
 
 def test_adaptive_horizon_grows_on_full_acceptance(tiny_model):
     # int8 drafts are (nearly) exact: L doubles after the first, fully accepted round; from the
-    # second block size on, the fitted cost model picks L (test_auto_horizon_follows_the_cost_model)
+    # second block size on, the fitted cost model picks L (test_auto_horizon_follows_the_cost_model).
+    # The swap's floor (L >= swap time / draft step while rounds swap) can only raise it: on a
+    # loaded host a slow swap does.
     eng = _eng(tiny_model, method=("int8", {}), draft_len="auto", max_draft_len=32)
     [out] = eng.generate(random_prompts(1, [300]), 100)
-    assert out.stats.drafted[0] == 8 and out.stats.accepted[0] == 8 and out.stats.drafted[1] == 16
+    assert out.stats.drafted[0] == 8 and out.stats.accepted[0] == 8 and out.stats.drafted[1] >= 16
 
 
 def test_lock_step_shares_one_horizon(tiny_model):
