@@ -78,20 +78,14 @@ def _path(name: str, splits: int, tile: int, warps: int, stages: int) -> str:
 
 
 def _timer(device: str):
-    import torch
+    from common import cuda_ms
 
     def median_us(fn, iters: int, reps: int) -> float:
         fn()  # compile / warm
         times = []
         for _ in range(reps):
             if device == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(iters):
-                    fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) * 1e3 / iters)
+                times.append(cuda_ms(fn, iters) * 1e3)
             else:
                 t0 = time.perf_counter()
                 for _ in range(iters):
