@@ -145,10 +145,19 @@ class LoadDrafter:
             with self._lock:
                 self._stats.over_budget += 1
             return None
-        cache = rt.new_cache(entries)
-        append_chunks(cache, ckvs, compressor, room=len(prompt) - prefix + n + 1)
+        try:  # a chunk this compressor cannot read, or no memory: the charge must come back
+            cache = rt.new_cache(entries)
+            append_chunks(cache, ckvs, compressor, room=len(prompt) - prefix + n + 1)
+        except BaseException:
+            if budget is not None:
+                budget.give(nbytes)
+            raise
         job = DraftJob(req_id, prompt, n, cache, prefix, nbytes)
         with self._work:
+            if self._closed:  # closed meanwhile: the drafter thread is gone and would never end this job
+                if budget is not None:
+                    budget.give(nbytes)
+                return None
             self._jobs[job.prompt] = job
             while len(self._jobs) > MAX_PENDING:
                 self._jobs.popitem(last=False)[1]._stop.set()

@@ -69,3 +69,27 @@ def test_load_drafts_are_charged_to_the_proposers_budget_and_give_it_back(tiny_m
         assert third is not None and budget.held == job_bytes
     finally:
         drafter.close()
+
+
+def test_a_load_the_drafter_cannot_read_gives_its_charge_back(tiny_model):
+    import pytest
+    import torch
+
+    from lmcache_vericache import compressors
+    from lmcache_vericache.connectors.draft_budget import DraftBudget
+    from lmcache_vericache.connectors.drafts import LoadDrafter
+    from lmcache_vericache.connectors.model_guard import ModelGuard
+    from lmcache_vericache.engine import Runtime
+
+    rt = Runtime(tiny_model)
+    kv = torch.randn(2, rt.num_layers, 64, rt.num_kv_heads * rt.head_dim)
+    evicted = compressors.get("streamingllm", keep_ratio=0.25).compress(kv, rt.num_kv_heads, start=0)
+    budget = DraftBudget(1 << 20)
+    drafter = LoadDrafter(ModelGuard())
+    drafter.attach(rt, budget)
+    try:
+        with pytest.raises(KeyError):  # an int8 reader of a streamingllm chunk (no codes): the caller recovers
+            drafter.start("a", list(range(84)), [evicted], compressors.get("int8"), 64, 4)
+        assert budget.held == 0 and not drafter.pending()
+    finally:
+        drafter.close()
