@@ -18,21 +18,13 @@ environment variables (``additional_config`` wins):
 * ``chunk_size`` (int, default 128): tokens compressed together, once the chunk is complete;
 * ``window`` (int, default 0): newest tokens always kept exact besides the open chunk;
 * ``max_draft`` (int, 1..k, default k): most tokens drafted per step;
-* ``adaptive`` (bool, default true): size each request's draft from its measured acceptance (the
-  engine's :class:`~lmcache_vericache.engine.horizon.Horizon`: double after full acceptance, about
-  1.5x the recent accepted run after a rejection). Drafting costs a target-model forward per token,
-  so drafts past the likely first mismatch are pure cost.
-* ``gate`` (bool, default true): propose only where and while proposing pays. First the bytes
-  bound: where a draft step would read more than ``MAX_BYTES_RATIO`` (3/4) of a plain step's bytes
-  (weights dominate: short contexts, small batches) the proposer stays quiet; otherwise
-  :class:`PayGate` compares tokens per second of steps after a proposal against steps without,
-  measured in the run, and goes quiet where drafting does not beat a plain step, probing again ever
-  more rarely.
-* ``draft_cache_bytes`` (int >= 0 or ``"auto"``, the default): most bytes the draft caches hold
-  together; a request whose cache would pass it is not drafted that step. ``"auto"`` fits
-  ``max_num_seqs`` requests of ``max_model_len`` tokens (:func:`.draft_budget.auto_bytes`), on a GPU
-  at most a tenth of ``gpu_memory_utilization`` of its memory. On a GPU the bytes are taken from
-  vLLM's KV cache; on a CPU they only bound the proposer (:mod:`.draft_budget`).
+* ``adaptive`` (bool, default true): size each request's draft from its measured acceptance
+  (:class:`~lmcache_vericache.engine.horizon.Horizon`): drafts past the likely mismatch are pure cost;
+* ``gate`` (bool, default true): propose only where a draft step reads at most ``MAX_BYTES_RATIO`` of
+  a plain step's bytes and, measured in the run (:class:`PayGate`), beats a plain step;
+* ``draft_cache_bytes`` (int >= 0 or ``"auto"``, the default): most bytes the draft caches hold; a
+  request whose cache would pass it is not drafted that step (:mod:`.draft_budget`: "auto", and the
+  bytes taken from vLLM's KV cache on a GPU).
 
 With the package's KV connector (:mod:`.vericache_connector`) in the same vLLM, the proposer drafts
 over the store's compressed chunks (the connector's compressor and chunk size; ``compressor`` and
@@ -261,9 +253,9 @@ class CompressedKVProposer:
         lengths = [int(num_tokens_no_spec[i]) if len(s) else -1 for i, s in enumerate(sampled_token_ids)]
         if self.gate is not None and not self._may_pay(lengths):
             self.gate.pause()
-            return self._quiet(out)
+            return self._quiet(out, token_ids_cpu, lengths)
         if self.gate is not None and not self.gate.step(lengths):
-            return self._quiet(out)
+            return self._quiet(out, token_ids_cpu, lengths)
         claimed: list[_State] = []
         rows: list[tuple[int, _State, np.ndarray, int]] = []  # row, state, its tokens, draft length
         for i, sampled in enumerate(sampled_token_ids):
@@ -278,10 +270,7 @@ class CompressedKVProposer:
             if st.drafted and 0 <= accepted <= st.drafted:
                 st.horizon.update(st.drafted, accepted, 0.0, 0.0)
             rows.append((i, st, row, min(n, st.horizon.L)))
-        for st in self.states:  # unmatched: finished requests; their bytes come back before caches grow
-            if not any(st is c for c in claimed):
-                self.budget.give(st.nbytes)
-        self.states = claimed
+        self._keep(claimed)  # before caches grow
         work: list[tuple[int, _State, int, int]] = []  # row, state, last position, draft length
         for i, st, row, n in rows:
             st.drafted = 0
@@ -311,13 +300,25 @@ class CompressedKVProposer:
             self._draft_stream = (ops, ops.new_stream())
         return self._draft_stream or (None, None)
 
-    def _quiet(self, out: list[list[int]]) -> list[list[int]]:
-        """A step without proposals: states are kept (caught up when proposing again); none of them
-        proposed, so the next step's growth is not their acceptance."""
+    def _quiet(self, out: list[list[int]], token_ids_cpu: np.ndarray, lengths: list[int]) -> list[list[int]]:
+        """A step without proposals: running requests' states are kept (caught up when proposing
+        again; none proposed, so the next step's growth is not their acceptance), finished ones
+        released now (the gate may stay quiet for long)."""
         self.stats.gated_steps += 1
+        rows = [token_ids_cpu[i, :n] for i, n in enumerate(lengths) if n > 0]
+        self._keep([st for st in self.states if any(  # the last token first: a full compare only for owners
+            len(r) > len(st.tokens) and (not len(st.tokens) or r[len(st.tokens) - 1] == st.tokens[-1])
+            and np.array_equal(r[:len(st.tokens)], st.tokens) for r in rows)])
         for st in self.states:
             st.drafted = 0
         return out
+
+    def _keep(self, kept: list[_State]) -> None:
+        """The states of this step's requests; the others' (finished or preempted) bytes come back."""
+        for st in self.states:
+            if not any(st is k for k in kept):
+                self.budget.give(st.nbytes)
+        self.states = kept
 
     def _may_pay(self, lengths: list[int]) -> bool:
         """The bytes bound: a draft step must read at most ``MAX_BYTES_RATIO`` of the bytes of a

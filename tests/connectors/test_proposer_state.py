@@ -250,3 +250,18 @@ def test_cuda_reservation_is_device_memory():
     b.reserve_device("cuda")
     assert before - torch.cuda.mem_get_info()[0] >= 256 << 20
     assert b.grow(0, 1) and b.reserved == 0
+
+
+def test_quiet_steps_give_finished_requests_bytes_back(tiny_model):
+    from lmcache_vericache.connectors.pay_gate import PayGate
+
+    p, paged = make(tiny_model, draft_cache_bytes=1 << 24)
+    g = torch.Generator().manual_seed(4)
+    a, b = (Target(p.rt, [2 * j, 2 * j + 1], torch.randint(0, 256, (200,), generator=g).tolist(), paged)
+            for j in range(2))
+    assert call(p, [a, b]) == [a.greedy(K), b.greedy(K)]
+    st_a = next(st for st in p.states if st.tokens[0] == a.tokens[0])
+    p.gate, p._weight_bytes = PayGate(max_step_tokens=K + 1), None  # the gate's first steps are quiet
+    a.accept(1)
+    assert call(p, [a]) == [[]]  # b finished; the step is quiet
+    assert p.stats.gated_steps == 1 and p.states == [st_a] and p.budget.held == st_a.nbytes > 0
