@@ -44,17 +44,18 @@ _SWAP_POOL = ThreadPoolExecutor(2, thread_name_prefix="vericache-swap")
 
 class PinnedPool:
     """At most ``buffers`` host buffers (pinned where ``pin``), reused across rounds and requests,
-    and the side ``stream`` the swaps copy on (CUDA; ``None`` elsewhere).
+    and the side ``stream`` the swaps copy on (CUDA, on ``device``: the device the copies write to,
+    else events recorded on the stream would not cover them; ``None`` elsewhere).
 
     Ownership and threading: the pool owns its buffers; any thread may :meth:`take` one, which
     blocks while all are lent. :meth:`give` hands one back with the ``event`` of the copy reading
     it; the buffer is lent again only after that event completes (the copy is asynchronous)."""
 
-    def __init__(self, buffers: int = 4, pin: bool = True, stream=None):
+    def __init__(self, buffers: int = 4, pin: bool = True, stream=None, device: torch.device | str | None = None):
         if buffers < 1:
             raise ValueError(f"buffers must be >= 1, got {buffers}")
         self.size, self.pin = buffers, pin
-        self.stream = stream if stream is not None or not pin else torch.cuda.Stream()
+        self.stream = stream if stream is not None or not pin else torch.cuda.Stream(device=device)
         self._free: deque[tuple[Tensor, object]] = deque()  # (buffer, event of its last copy)
         self._made = 0
         self._cond = threading.Condition()
@@ -101,7 +102,7 @@ class SwapIn:
         self._cache, self._chunk = cache, chunk_size
         self._stream = None
         if cache.k.is_cuda:
-            self._pool = pool if pool is not None else PinnedPool(1)
+            self._pool = pool if pool is not None else PinnedPool(1, device=cache.k.device)
             self._stream = self._pool.stream
             # The side stream must not copy before the compute stream's earlier work on these
             # buffers (the NaN poisoning, a previous verify still reading them) has run.

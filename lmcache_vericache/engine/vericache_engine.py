@@ -93,7 +93,7 @@ class VeriCacheEngine:
                                    kv_budget_bytes, verify_buffers, int8_draft, model_id)
         decoding = decoding_options(mode, verkv)
         self.rt = Runtime(model)
-        self.swap_pool = PinnedPool() if self.rt.device.type == "cuda" else None
+        self.swap_pool = PinnedPool(device=self.rt.device) if self.rt.device.type == "cuda" else None
         #: Facts of the last ``generate()``: resolved mode, verify buffers, most requests at once, peak KV.
         self.last_run: dict[str, Any] = {}
         store_config, self.store, self._owns_store = resolve_store(store, compressor, compressor_params, decoding,
