@@ -36,7 +36,9 @@ def greedy_drafts(rt: Runtime, first: list[int], positions: list[int], caches: l
     if steps <= 0:
         return [[] for _ in lengths]
     dev = rt.device
-    tokens = torch.tensor([first[r] for r in order], device=dev)
+    # Made on the compute stream and read on the drafter's: all three stay referenced until the
+    # compute stream has waited for the drafter (freed earlier, their memory could be reused first).
+    first_tokens = torch.tensor([first[r] for r in order], device=dev)
     pos = torch.tensor([positions[r] for r in order], device=dev)
     drafted = torch.empty(len(order), steps, dtype=torch.long, device=dev)
     use = contextlib.nullcontext() if streams is None else streams.use(stream)
@@ -45,6 +47,7 @@ def greedy_drafts(rt: Runtime, first: list[int], positions: list[int], caches: l
     with use:
         if streams is not None:
             streams.wait(stream, ready)
+        tokens = first_tokens
         for s in range(steps):
             live = sum(lengths[r] > s for r in order)
             with lock():
