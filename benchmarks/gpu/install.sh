@@ -20,8 +20,14 @@ if [[ ${1:-} == --offline ]]; then
   PYTHONPATH=$SITE:$PWD python3 - "$((SECONDS - t0))" "${#wheels[@]}" <<'PY'
 import importlib.util, json, sys
 have = {m: importlib.util.find_spec(m) is not None for m in ("torch", "triton", "transformers", "blake3", "vllm", "lmcache")}
-import lmcache_vericache.engine  # noqa: F401  (fails here, not later, when a dependency is missing)
-print(json.dumps({"offline": True, "total_s": int(sys.argv[1]), "wheels": int(sys.argv[2]), "importable": have}))
+try:  # a missing dependency shows here, not in every later stage
+    import lmcache_vericache.engine  # noqa: F401
+    engine = "imports"
+except Exception as e:
+    engine = f"{type(e).__name__}: {e}"
+print(json.dumps({"offline": True, "total_s": int(sys.argv[1]), "wheels": int(sys.argv[2]), "importable": have,
+                  "lmcache_vericache.engine": engine}))
+sys.exit(engine != "imports")
 PY
   exit
 fi

@@ -443,8 +443,8 @@ class CompressedKVProposer:
         return self._layout
 
     def _read(self, block_ids: Tensor, start: int, stop: int) -> tuple[Tensor, Tensor]:
-        """Exact K, V of positions ``[start, stop)``: ``[layers, kv_heads, T, head_dim]`` each (on the
-        draft runtime's device)."""
+        """Exact K, V of positions ``[start, stop)``: ``[layers, kv_heads, T, head_dim]`` each, on the
+        host (the compressors run there; the suffix copy moves them to the draft cache's device)."""
         layout = self._kv_layout()
         k, v = layout.gather(pl.slots_for(block_ids, start, stop, self.block_size or layout.layers[0].shape[2]))
         return k.cpu(), v.cpu()
