@@ -12,6 +12,7 @@ logits of a probe sequence computed inside the worker (``LLM.apply_model``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -41,9 +42,12 @@ def run_engine(spec: dict[str, Any], workdir: Path, *, env: dict[str, str] | Non
         try:
             rc = proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)  # the engine core and workers are in the child's session
-            proc.wait(30)
             rc = "timeout"
+        # The engine core and workers are in the child's session: none outlives the run, whatever
+        # its end (a timeout, a failed child, a shutdown that left one behind).
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 9)
+        proc.wait(30)
     if rc != 0 or not out.is_file():
         text = log.read_text(errors="replace")
         # The root cause is logged by a worker, far above the tail: lift its "...Error: ..." lines.
@@ -121,7 +125,8 @@ def _main(spec_path: str) -> None:
         torch.save(llm.apply_model(partial(runtime_logits, token_ids=spec["probe_ids"]))[0], probe)
         report["probe_logits"] = str(probe)
     Path(spec["out"]).write_text(json.dumps(report))
-    llm.llm_engine.engine_core.shutdown()  # the engine's processes end here, before the exit below
+    with contextlib.suppress(Exception):  # the report is written; the parent reaps what is left
+        llm.llm_engine.engine_core.shutdown()  # the engine's processes end here, before the exit below
 
 
 if __name__ == "__main__":
