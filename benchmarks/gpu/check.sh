@@ -29,14 +29,14 @@ VENV=${GPU_CHECK_VENV:-/tmp/vericache-gpu-venv}
 SYS_PY=$(command -v python3)
 G=benchmarks/gpu
 NAMES=(install facts pcie attention vllm engine)
-NOMINAL=(190 15 25 45 140 55)  # seconds; online, they sum to the default budget
+NOMINAL=(190 10 20 45 120 85)  # seconds; online, they sum to the default budget
 OFFLINE=${GPU_CHECK_OFFLINE:-}
 if [[ -z $OFFLINE && $DRY != 1 ]]; then
   "$SYS_PY" -c "import urllib.request as u; u.urlopen('https://pypi.org/simple/pip/', timeout=5)" 2>/dev/null \
     && OFFLINE=0 || OFFLINE=1
 fi
 if [[ $DRY == 1 ]]; then PY=${GPU_CHECK_PYTHON:-python3}; FLAG=--dry-run
-elif [[ $OFFLINE == 1 ]]; then PY=$SYS_PY; FLAG=; NOMINAL=(20 15 25 60 0 120)
+elif [[ $OFFLINE == 1 ]]; then PY=$SYS_PY; FLAG=; NOMINAL=(20 10 20 60 0 160)
 else PY=$VENV/bin/python; FLAG=; fi
 START=$SECONDS
 

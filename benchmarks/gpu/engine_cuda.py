@@ -1,12 +1,14 @@
 """GPU check stage ``engine``: the VeriCache engine on CUDA against its own full-KV greedy decoding
-(``reference()``) on SmolLM2-135M, per dtype: identical tokens, rounds, accepted tokens per round, time.
+(``reference()``) on SmolLM2-135M, per drafter and dtype: identical tokens, rounds, accepted tokens per
+round, time, and whether it drafted through the Triton kernels (``triton_draft``: int4 does on CUDA,
+streamingllm has no kernel format and drafts dense).
 ``--model random-smollm2``: SmolLM2-135M's shape with random weights and a random prompt, for a machine
 the model cannot reach (an offline GPU); the tokens must still equal ``reference()``'s, but acceptance
 says nothing about a trained model's.
 
 Through ``vericache generate --device cuda --reference --json`` where the CLI has ``--device``; else
 through the Python API (the model moved to the device before ``VeriCacheEngine`` sees it). Each dtype
-runs in its own process, so a hang or a crash costs only that dtype (``--budget-s`` shared by them).
+runs in its own process, so a hang or a crash costs only that run (``--budget-s`` shared by them).
 
     python benchmarks/gpu/engine_cuda.py [--dtypes float32,bfloat16]
     python benchmarks/gpu/engine_cuda.py --smoke      # CPU: 128 prompt tokens, 8 new, float32
@@ -26,8 +28,8 @@ from common import ROOT, StageError, run_stage, tail
 
 sys.path.insert(0, str(ROOT))
 
-KEEP = ("identical", "rounds", "mean_accepted", "compressor", "full_kv", "draft_s", "verify_s", "prefill_s",
-        "ttft_s", "divergence", "generate_s", "reference_s")
+KEEP = ("identical", "rounds", "mean_accepted", "compressor", "full_kv", "triton_draft", "draft_s", "verify_s",
+        "prefill_s", "ttft_s", "divergence", "generate_s", "reference_s")
 
 
 def cli_has_device() -> bool:
@@ -63,12 +65,13 @@ def model_and_prompt(model_name: str, device: str, dtype: str, prompt_tokens: in
     return model, prompt_ids(tok, stdlib_source(DEFAULT_STDLIB), prompt_tokens).tolist()
 
 
-def api_run(model_name: str, device: str, dtype: str, prompt_tokens: int, new_tokens: int) -> dict[str, Any]:
+def api_run(model_name: str, device: str, dtype: str, prompt_tokens: int, new_tokens: int,
+            compressor: str) -> dict[str, Any]:
     """What ``vericache generate --reference`` reports, through the Python API."""
     from lmcache_vericache.engine import VeriCacheEngine
 
     model, ids = model_and_prompt(model_name, device, dtype, prompt_tokens)
-    eng = VeriCacheEngine(model, "streamingllm", store={"capacity": "memory"})
+    eng = VeriCacheEngine(model, compressor, store={"capacity": "memory"})
     try:
         t0 = time.perf_counter()
         [res] = eng.generate([ids], new_tokens)
@@ -80,17 +83,18 @@ def api_run(model_name: str, device: str, dtype: str, prompt_tokens: int, new_to
         eng.close()
     s = res.stats
     return {"identical": res.tokens == ref.tokens, "rounds": s.rounds, "mean_accepted": s.mean_accepted,
-            "compressor": eng.compressor.name, "draft_s": s.draft_s, "verify_s": s.verify_s, "prefill_s": s.prefill_s,
+            "compressor": eng.compressor.name, "triton_draft": eng.triton_draft, "draft_s": s.draft_s, "verify_s": s.verify_s, "prefill_s": s.prefill_s,
             "ttft_s": s.ttft_s, "generate_s": round(seconds, 3), "reference_s": round(ref_s, 3)}
 
 
-def command(path: str, model: str, device: str, dtype: str, prompt_tokens: int, new_tokens: int) -> list[str]:
+def command(path: str, model: str, device: str, dtype: str, prompt_tokens: int, new_tokens: int,
+            compressor: str) -> list[str]:
     if path == "cli":
         return [sys.executable, "-c", "import sys; from lmcache_vericache.cli import main; sys.exit(main())",
-                "generate", "--device", device, "--dtype", dtype, "--reference", "--json",
+                "generate", "--device", device, "--dtype", dtype, "--reference", "--json", "--compressor", compressor,
                 "--prompt-tokens", str(prompt_tokens), "--max-new-tokens", str(new_tokens)]
     return [sys.executable, __file__, "--api-child", "--model", model, "--device", device, "--dtypes", dtype,
-            "--prompt-tokens", str(prompt_tokens), "--new-tokens", str(new_tokens)]
+            "--prompt-tokens", str(prompt_tokens), "--new-tokens", str(new_tokens), "--compressors", compressor]
 
 
 def one(cmd: list[str], timeout: float) -> dict[str, Any]:
@@ -112,7 +116,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     path = "cli" if args.model == "smollm2" and cli_has_device() else "api"
     out: dict[str, Any] = {"path": path, "model": args.model, "device": args.device, "prompt_tokens": args.prompt_tokens,
                            "new_tokens": args.new_tokens}
-    cmds = {dt: command(path, args.model, args.device, dt, args.prompt_tokens, args.new_tokens) for dt in args.dtypes}
+    cmds = {f"{c}/{dt}": command(path, args.model, args.device, dt, args.prompt_tokens, args.new_tokens, c)
+            for c in args.compressors for dt in args.dtypes}
     if args.dry_run:
         return {**out, "dry_run": True, "commands": {dt: cmd[1:] for dt, cmd in cmds.items()}}
     deadline, out["runs"] = time.monotonic() + args.budget_s, {}
@@ -131,18 +136,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", choices=("smollm2", "random-smollm2"), default="smollm2",
                     help="random-smollm2: SmolLM2's shape, random weights (no model on the machine)")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (default float32,bfloat16)")
+    ap.add_argument("--compressors", default="streamingllm,int4",
+                    help="drafters, comma-separated (default streamingllm,int4: dense, and through the kernels on CUDA)")
     ap.add_argument("--prompt-tokens", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--budget-s", type=float, default=55, help="the whole stage's seconds (default 55)")
+    ap.add_argument("--budget-s", type=float, default=85, help="the whole stage's seconds (default 85)")
     ap.add_argument("--smoke", action="store_true", help="CPU: 128 prompt tokens, 8 new, float32")
     ap.add_argument("--dry-run", action="store_true", help="print the path and commands, run nothing")
     ap.add_argument("--api-child", action="store_true", help=argparse.SUPPRESS)  # one API run, its JSON on stdout
     args = ap.parse_args(argv)
     if args.smoke:
         args.device, args.dtypes, args.prompt_tokens, args.new_tokens = "cpu", "float32", 128, 8
-    args.dtypes = args.dtypes.split(",")
+    args.dtypes, args.compressors = args.dtypes.split(","), args.compressors.split(",")
     if args.api_child:
-        print(json.dumps(api_run(args.model, args.device, args.dtypes[0], args.prompt_tokens, args.new_tokens)))
+        print(json.dumps(api_run(args.model, args.device, args.dtypes[0], args.prompt_tokens, args.new_tokens,
+                                 args.compressors[0])))
         return 0
     return run_stage("engine", lambda: run(args))
 

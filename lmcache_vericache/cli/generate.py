@@ -234,6 +234,7 @@ def _run(args: argparse.Namespace) -> int:
         "swap_s": s.swap_s, "swap_wait_s": s.swap_wait_s, "prefill_s": s.prefill_s, "ttft_s": s.ttft_s,
         "cached_chunks": s.cached_chunks, "recomputed_chunks": s.recomputed_chunks,
         "full_kv": eng.last_run["full_kv"], "peak_kv_bytes": eng.last_run["peak_kv_bytes"],
+        "triton_draft": eng.triton_draft,
         "mode": eng.mode, "kvfetch": s.kvfetch, "device": args.device,
         "store": dataclasses.asdict(eng.store.stats) if eng.store is not None else None,
     }

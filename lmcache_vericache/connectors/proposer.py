@@ -24,7 +24,11 @@ environment variables (``additional_config`` wins):
   a plain step's bytes and, measured in the run (:class:`PayGate`), beats a plain step;
 * ``draft_cache_bytes`` (int >= 0 or ``"auto"``, the default): most bytes the draft caches hold; a
   request whose cache would pass it is not drafted that step (:mod:`.draft_budget`: "auto", and the
-  bytes taken from vLLM's KV cache on a GPU).
+  bytes taken from vLLM's KV cache on a GPU);
+* ``triton_draft`` (bool or null, the default: on CUDA where the kernels read the chunks' format):
+  keep draft prefixes as the stored chunks (int8, int4, KIVI, TurboQuant) in one arena per format,
+  attended by the Triton kernels in one call per layer for all requests (:mod:`..engine.chunk_prefix`),
+  instead of decompressed copies; ``true`` where they cannot is a start-up error naming why.
 
 With the package's KV connector (:mod:`.vericache_connector`) in the same vLLM, the proposer drafts
 over the store's compressed chunks (the connector's compressor and chunk size; ``compressor`` and
@@ -48,6 +52,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Mapping
@@ -59,6 +64,7 @@ import torch
 
 from .. import compressors
 from ..engine.cache import KVCache, append_chunks, kv_to_2ltd
+from ..engine.chunk_prefix import ChunkArena, ChunkPrefix, kernel_format
 from ..engine.horizon import Horizon
 from ..options import parse_options
 from . import paged_layout as pl
@@ -89,9 +95,12 @@ class ProposerOptions:
     # false: always propose.
     gate: bool = True
     draft_cache_bytes: int | str = "auto"
+    triton_draft: bool | None = None
 
     def validate(self) -> None:
         """Raises ``ValueError`` whose message starts with the offending option's name."""
+        if self.triton_draft is not None and not isinstance(self.triton_draft, bool):
+            raise ValueError(f"triton_draft must be true, false or null (auto), got {self.triton_draft!r}")
         b = self.draft_cache_bytes
         if b != "auto" and not (isinstance(b, int) and b >= 0):
             raise ValueError(f'draft_cache_bytes must be an int >= 0 or "auto", got {b!r}')
@@ -197,10 +206,17 @@ class CompressedKVProposer:
         self._block_table: Tensor | None = None
         self._first: list[tuple[np.ndarray, int]] = []  # load drafts proposed last step: (row, proposed)
         self._draft_stream: tuple[TorchCuda, Any] | None = None  # CUDA: (ops, the drafter's own stream)
+        self._arenas: dict[int, ChunkArena | None] = {}  # id(compressor) -> its chunks' arena (None: dense)
 
     # -- vLLM hooks ------------------------------------------------------------------------------
     def load_model(self, target_model: torch.nn.Module) -> None:
         self.rt = runtime_for(target_model)
+        if self.opts.triton_draft:  # asked for: refuse now, naming why, rather than draft dense silently
+            try:
+                kernel_format(self.compressor, self.rt.num_kv_heads, self.opts.chunk_size, self.rt.head_dim,
+                              self.rt.dtype)
+            except ValueError as e:
+                raise ValueError(f"{CONFIG_KEY}.triton_draft: {e}") from None
         # On CUDA the draft caches' bytes are held from here, inside vLLM's measurement of the
         # model's memory, until the first draft cache is charged (why: DraftBudget.reserve_device).
         self.budget = self._new_budget()
@@ -225,9 +241,14 @@ class CompressedKVProposer:
 
     def _new_budget(self) -> DraftBudget:
         o, rt = self.opts, self.rt
-        return DraftBudget(o.draft_cache_bytes if o.draft_cache_bytes != "auto" else auto_bytes(
-            self.max_num_seqs, self.max_model_len, kept_counts(self.compressor, o.chunk_size, rt), o.chunk_size,
-            o.chunk_size + o.window + self.max_draft, rt.kv_bytes_per_token(), device_cap(rt.device, self.mem_share)))
+        if o.draft_cache_bytes != "auto":
+            return DraftBudget(o.draft_cache_bytes)
+        # A prefix kept as stored chunks costs its stored bytes: as many as that share of dense entries.
+        kept = ([math.ceil(o.chunk_size * self._kept_ratio(None))] * rt.num_layers if self._arena(None) is not None
+                else kept_counts(self.compressor, o.chunk_size, rt))
+        return DraftBudget(auto_bytes(self.max_num_seqs, self.max_model_len, kept, o.chunk_size,
+                                      o.chunk_size + o.window + self.max_draft, rt.kv_bytes_per_token(),
+                                      device_cap(rt.device, self.mem_share)))
 
     def _capture(self, module: torch.nn.Module, args: Any) -> None:
         """Keep the block table of the step's forward; ``propose`` runs after it in the same step."""
@@ -322,8 +343,9 @@ class CompressedKVProposer:
 
     def _may_pay(self, lengths: list[int]) -> bool:
         """The bytes bound: a draft step must read at most ``MAX_BYTES_RATIO`` of the bytes of a
-        plain step (weights plus every row's KV, against weights plus the KV entries the draft
-        cache keeps: a quantizer's chunks are decompressed, so int8 drafting never passes). Where
+        plain step (weights plus every row's KV, against weights plus the bytes the draft cache
+        keeps: a quantizer's chunks decompressed keep every entry, so int8 drafting passes only
+        where they are kept as stored chunks, ``triton_draft``). Where
         the weights dominate (short contexts, small batches) no acceptance can make drafting pay,
         so the proposer does not even probe (building draft states alone would cost more)."""
         if self._weight_bytes is None:
@@ -333,17 +355,45 @@ class CompressedKVProposer:
         return self._weight_bytes + ratio * kv <= MAX_BYTES_RATIO * (self._weight_bytes + kv)
 
     def _kept_ratio(self, source: ChunkSource | None) -> float:
-        """Share of a chunk's entries a draft cache holds, for the compressor drafts will use (the
+        """Share of a chunk's bytes a draft cache holds, for the compressor drafts will use (the
         connector's store's, where there is one). Measured once per compressor on a random chunk:
-        the draft cache is dense (decompressed), so a quantizer keeps all entries."""
-        compressor, c = (source.store.compressor, source.chunk_size) if source else (self.compressor, self.opts.chunk_size)
+        a dense draft cache holds decompressed entries (a quantizer keeps all of them), a prefix kept
+        as stored chunks (``triton_draft``) their stored bytes."""
+        compressor, c = self._chunking(source)
         key = id(compressor)  # compressors are unhashable dataclasses; this one lives as long as we do
         if key not in self._ratios:
             rt = self.rt
             probe = torch.randn(2, rt.num_layers, c, rt.num_kv_heads * rt.head_dim).to(rt.dtype)
-            layers = compressor.decompress(compressor.compress(probe, rt.num_kv_heads))
-            self._ratios[key] = sum(layer.keys.shape[1] for layer in layers) / (rt.num_layers * c)
+            ckv = compressor.compress(probe, rt.num_kv_heads)
+            if self._arena(source) is not None:
+                self._ratios[key] = ckv.nbytes / ckv.full_nbytes
+            else:
+                layers = compressor.decompress(ckv)
+                self._ratios[key] = sum(layer.keys.shape[1] for layer in layers) / (rt.num_layers * c)
         return self._ratios[key]
+
+    def _chunking(self, source: ChunkSource | None) -> tuple[Any, int]:
+        """The compressor and chunk size of draft prefixes: the KV connector's store's, else ours."""
+        return (source.store.compressor, source.chunk_size) if source else (self.compressor, self.opts.chunk_size)
+
+    def _arena(self, source: ChunkSource | None) -> ChunkArena | None:
+        """The arena of the chunks drafts use (``None``: dense draft caches), made on first use:
+        where ``triton_draft`` is on, or auto on CUDA, and the kernels read the chunks' format
+        (a store's chunks of another format are drafted dense, said once in the log)."""
+        compressor, c = self._chunking(source)
+        key = id(compressor)
+        if key not in self._arenas:
+            want, rt, arena = self.opts.triton_draft, self.rt, None
+            if want or (want is None and rt.device.type == "cuda"):
+                try:
+                    fmt = kernel_format(compressor, rt.num_kv_heads, c, rt.head_dim, rt.dtype)
+                    arena = ChunkArena(fmt, rt.num_layers, rt.device, charge=lambda old, new: self.budget.grow(old, new))
+                except ValueError as e:
+                    if want:
+                        logger.warning("triton_draft: the %s chunks of the KV connector's store are drafted "
+                                       "over decompressed copies: %s", compressor.name, e)
+            self._arenas[key] = arena
+        return self._arenas[key]
 
     def _load_drafts(self, out: list[list[int]], sampled_token_ids: list, num_tokens_no_spec: np.ndarray,
                      token_ids_cpu: np.ndarray) -> set[int]:
@@ -388,7 +438,11 @@ class CompressedKVProposer:
             return _State(best.cache.clone(), best.tokens.copy(), self._horizon(), best.prefix,
                           nbytes=best.nbytes, source=best.source)
         if best is None or any(best is c for c in claimed):  # an empty cache: _sync grows it within the budget
-            return _State(self.rt.new_cache(0), row[:0].copy(), self._horizon(), source=self.context.source)
+            source = self.context.source
+            cache = self.rt.new_cache(0)
+            if (arena := self._arena(source)) is not None:
+                cache.packed = ChunkPrefix(arena)
+            return _State(cache, row[:0].copy(), self._horizon(), source=source)
         return best
 
     def _horizon(self) -> Horizon:
@@ -403,7 +457,7 @@ class CompressedKVProposer:
         else compressed here from vLLM's cache), then copy the exact KV of the rest from vLLM's cache.
         ``False`` (the state unchanged) where the cache would pass the budget."""
         valid, source = len(row) - 1, st.source
-        compressor, c = (source.store.compressor, source.chunk_size) if source else (self.compressor, self.opts.chunk_size)
+        compressor, c = self._chunking(source)
         upto = max(st.prefix, (valid - self.opts.window) // c * c)
         keys = source.space.token_keys(row[:upto].tolist()) if source and upto > st.prefix else None
         ckvs, stored = [], []
@@ -413,8 +467,13 @@ class CompressedKVProposer:
             if ckv is None:
                 ckv = compressor.compress(kv_to_2ltd(*self._read(block_ids, s, s + c)), self.rt.num_kv_heads, start=s)
             ckvs.append(ckv)
-        # The exact size first (prefix entries by the chunks' own count, suffix, draft room), in whole chunks.
-        gained = [sum(g) for g in zip(*map(chunk_entries, ckvs))] if ckvs else [0] * len(st.cache.base)
+        # The exact size first (prefix entries by the chunks' own count, suffix, draft room), in whole
+        # chunks; a prefix kept as stored chunks takes arena slots (charged as the arena grows).
+        chunked = isinstance(st.cache.packed, ChunkPrefix)
+        if chunked and not st.cache.packed.arena.ensure(len(ckvs)):
+            return False
+        gained = ([sum(g) for g in zip(*map(chunk_entries, ckvs))] if ckvs and not chunked
+                  else [0] * len(st.cache.base))
         need = max(b + g for b, g in zip(st.cache.base, gained)) + valid - upto + n_draft
         nbytes = self.budget.grow_cache(st.cache, st.nbytes, need, c)
         if nbytes is None:

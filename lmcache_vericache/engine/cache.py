@@ -10,7 +10,8 @@ A request has two caches of the same shape (:class:`KVCache`):
   positions after it (the open chunk, a window, the committed suffix). :func:`append_chunks` is the
   one way a compressed prefix gets into it, for the engine and for the vLLM proposer alike. A
   *packed* draft cache keeps an int8 prefix as its codes instead (``packed``, attended by the
-  kernel of :mod:`.int8_attention`), and a *certified* one keeps a PoissonComp prefix with its full
+  kernel of :mod:`.int8_attention`), a *chunked* one its stored chunks (any format the Triton
+  kernels read, :mod:`.chunk_prefix`), and a *certified* one a PoissonComp prefix with its full
   KV for KVFetch (:mod:`.kvfetch`); their dense buffers then hold only the exact suffix.
 """
 
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..compressors import CompressedKV, KVCompressor
+from .chunk_prefix import ChunkPrefix
 from .int8_attention import Int8Prefix
 from .kvfetch import CertifiedPrefix
 
@@ -41,7 +43,7 @@ class KVCache:
     v: Tensor
     base: list[int] = field(default_factory=list)
     n: int = 0
-    packed: Int8Prefix | CertifiedPrefix | None = None  # a prefix attended by its own code (base stays 0)
+    packed: Int8Prefix | CertifiedPrefix | ChunkPrefix | None = None  # a prefix attended by its own code (base 0)
 
     @classmethod
     def empty(cls, layers: int, heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
@@ -128,7 +130,8 @@ def append_chunks(cache: KVCache, ckvs: Sequence[CompressedKV], compressor: KVCo
 
     The exact suffix is dropped (``n = 0``): its entries are where the prefix grows, and they are
     exact KV of positions the new chunks now cover in compressed form. The caller writes the exact
-    KV of the positions past the chunks again. A packed cache takes the chunks' int8 codes as they are;
+    KV of the positions past the chunks again. A packed cache takes the chunks' int8 codes as they are,
+    a chunked one the chunks as stored;
     a certified (KVFetch) one takes each chunk with its full KV ``full`` (``KV_2LTD``, the full tier).
     """
     if isinstance(cache.packed, CertifiedPrefix):
@@ -136,6 +139,11 @@ def append_chunks(cache: KVCache, ckvs: Sequence[CompressedKV], compressor: KVCo
             raise ValueError("a KVFetch prefix needs every chunk's full KV beside its compressed copy")
         for ckv, kv in zip(ckvs, full):
             cache.packed.append(ckv, kv)
+        cache.reserve(room)
+        cache.n = 0
+        return
+    if isinstance(cache.packed, ChunkPrefix):
+        cache.packed.append(ckvs)
         cache.reserve(room)
         cache.n = 0
         return

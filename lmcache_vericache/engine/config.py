@@ -27,8 +27,9 @@ class EngineConfig:
     :class:`~.horizon.Horizon` chooses per round, at most ``max_draft_len``). ``stagger``: whether
     requests draft and verify on their own schedules (``"auto"``: only in offload). ``query_window``:
     newest exact tokens kept out of compression. ``full_kv``, ``kv_budget_bytes``, ``verify_buffers``:
-    residency (:mod:`~.residency`). ``int8_draft``: int8 prefixes attended as codes (``None``: where
-    possible). ``model_id``: the key space's model identity (``None``: a digest of the weights).
+    residency (:mod:`~.residency`). ``int8_draft``: int8 prefixes attended as codes by the CPU kernel,
+    ``triton_draft``: prefixes kept as stored chunks, attended by the Triton kernels (GPU) (``None``:
+    where possible). ``model_id``: the key space's model identity (``None``: a digest of the weights).
     """
 
     chunk_size: int = 256
@@ -41,6 +42,7 @@ class EngineConfig:
     verify_buffers: int | None = None
     int8_draft: bool | None = None
     model_id: str | None = None
+    triton_draft: bool | None = None
 
     def __post_init__(self) -> None:
         if self.chunk_size < 1:
@@ -48,8 +50,11 @@ class EngineConfig:
         check_draft_len(self.draft_len, self.max_draft_len)
         check_stagger(self.stagger)
         check_residency(self.full_kv, self.kv_budget_bytes, self.verify_buffers)
-        if self.int8_draft is not None and not isinstance(self.int8_draft, bool):
-            raise ValueError(f"int8_draft must be True, False or None (auto), got {self.int8_draft!r}")
+        for name in ("int8_draft", "triton_draft"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True, False or None (auto), got {getattr(self, name)!r}")
+        if self.int8_draft and self.triton_draft:
+            raise ValueError("int8_draft and triton_draft are two ways to attend a draft prefix: set one")
 
     def capacity(self, prompt_len: int, max_new: int) -> int:
         """Cache entries one request needs: prompt, new tokens, the longest round's drafts and the

@@ -10,6 +10,7 @@ at once and the exact prefix arrives by the first round's swap.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -17,6 +18,7 @@ from ..backends import DualTierStore, TierError
 from ..backends.keys import KeySpace
 from ..compressors import CompressedKV, KVCompressor
 from .cache import append_chunks, poison_prefix
+from .chunk_prefix import ChunkPrefix
 from .int8_attention import Int8Prefix
 from .kvfetch import CertifiedPrefix
 from .request import Request
@@ -33,10 +35,10 @@ class Prefiller:
     its prompt and new tokens (the longest round's drafts and n-gram guesses)."""
 
     def __init__(self, rt: Runtime, store: DualTierStore | None, compressor: KVCompressor, chunk_size: int,
-                 query_window: int, draft_room: int, key_space: KeySpace, int8_draft: bool = False,
-                 kvfetch: dict | None = None):
+                 query_window: int, draft_room: int, key_space: KeySpace,
+                 draft_prefix: Callable[[], Int8Prefix | ChunkPrefix] | None = None, kvfetch: dict | None = None):
         self.rt, self.store, self.compressor, self.key_space = rt, store, compressor, key_space
-        self.int8_draft = int8_draft
+        self.draft_prefix = draft_prefix  # an empty packed prefix for each draft cache (None: dense)
         self.kvfetch = kvfetch  # CertifiedPrefix options: draft caches attend with KVFetch
         self.chunk_size, self.query_window, self.draft_room = chunk_size, query_window, draft_room
 
@@ -190,8 +192,8 @@ class Prefiller:
             r.stats.compressed_bytes += ckv.nbytes
             r.stats.full_prefix_bytes += ckv.full_nbytes
         r.draft = self.rt.new_cache(0)
-        if self.int8_draft:
-            r.draft.packed = Int8Prefix.empty(self.rt.num_layers, self.rt.num_kv_heads, self.rt.head_dim)
+        if self.draft_prefix is not None:
+            r.draft.packed = self.draft_prefix()
         if self.kvfetch is not None:
             r.draft.packed = CertifiedPrefix(self.rt.num_layers, **self.kvfetch, device=self.rt.device)
             c = self.chunk_size

@@ -19,8 +19,9 @@ an HF ``*ForCausalLM`` or vLLM's module); this loop owns everything about the KV
   benchmark, uses it too. Elsewhere (``batched``: any non-CPU device) the whole batch attends in one
   scaled-dot-product call per layer (:class:`_Batched`: segments padded to the longest, a mask for
   each one's cache length and causal block), so the ops of a step do not grow with its segments
-  (a GPU launches one kernel per op); a prefix attended by its own code (KVFetch) keeps the
-  per-segment path.
+  (a GPU launches one kernel per op), draft caches whose prefix is stored chunks included
+  (:mod:`.chunk_prefix`: one Triton kernel call per layer for all their prefixes); a prefix
+  attended by other code (int8 codes on a CPU, KVFetch) keeps the per-segment path.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import int8_attention, kernels, kvfetch
+from . import chunk_prefix, int8_attention, kernels, kvfetch
 from .cache import KVCache
+from .chunk_prefix import ChunkPrefix
 from .hf_model import HfModel
 from .int8_attention import Int8Prefix
 from .kvfetch import CertifiedPrefix
@@ -117,7 +119,8 @@ def prefix_attention(jobs: list[tuple[Tensor, object, int, Tensor, Tensor]], sca
     prefix and its exact entries ``k``/``v`` ``[Hkv, S, D]`` (the last ``n`` are the block's own:
     causal), as :func:`attend` returns it (``[n, Hq*D]``, ``v``'s dtype). An
     :class:`~.int8_attention.Int8Prefix` takes its exact entries into the same kernel call (one call
-    per layer for every job); a :class:`~.kvfetch.CertifiedPrefix` is merged with them by :func:`attend`."""
+    per layer for every job); a :class:`~.kvfetch.CertifiedPrefix` or a
+    :class:`~.chunk_prefix.ChunkPrefix` is merged with them by :func:`attend`."""
     res: list[Tensor | None] = [None] * len(jobs)
     rows = []
     for q, _, _, k, _ in jobs:
@@ -131,12 +134,15 @@ def prefix_attention(jobs: list[tuple[Tensor, object, int, Tensor, Tensor]], sca
             q, _, _, _, v = jobs[i]
             n, hkv, d = q.shape[0], v.shape[0], v.shape[2]
             res[i] = out.view(hkv, -1, n, d).permute(2, 0, 1, 3).reshape(n, -1).to(v.dtype)
-    certified = [i for i, job in enumerate(jobs) if isinstance(job[1], CertifiedPrefix)]
-    if certified:
-        parts = kvfetch.attention([(rows[i], jobs[i][1], jobs[i][2]) for i in certified], scale)
-        for i, part in zip(certified, parts):
-            q, _, _, k, v = jobs[i]
-            res[i] = attend(q, k, v, q.shape[0], scale, part)
+    # Prefixes whose attention is merged with the exact entries by attend(): KVFetch's certified
+    # one, and stored chunks read by the Triton kernels (chunk_prefix).
+    for kind, parts_of in ((CertifiedPrefix, kvfetch.attention), (ChunkPrefix, chunk_prefix.attention)):
+        idx = [i for i, job in enumerate(jobs) if isinstance(job[1], kind)]
+        if idx:
+            parts = parts_of([(rows[i], jobs[i][1], jobs[i][2]) for i in idx], scale)
+            for i, part in zip(idx, parts):
+                q, _, _, k, v = jobs[i]
+                res[i] = attend(q, k, v, q.shape[0], scale, part)
     if any(x is None for x in res):
         raise TypeError(f"no attention for prefix {next(type(j[1]) for j, x in zip(jobs, res) if x is None)}")
     return res  # type: ignore[return-value]
@@ -157,6 +163,10 @@ class _Batched:
 
     def __init__(self, segments: list[Segment], starts: list[int], layers: int, device: torch.device):
         self.segments, self.starts = segments, starts
+        # Draft caches whose prefix is stored chunks (chunk_prefix, one arena): the kernel attends
+        # over every segment's prefix in one call per layer, merged with the dense part below.
+        self.prefixes = [s.cache.packed for s in segments]
+        self.chunked = any(p is not None for p in self.prefixes)
         b = len(segments)
         self.uniform = all(len(set(s.cache.base)) == 1 for s in segments)
         # past entries per (layer, segment); one row for all layers where every cache's base is uniform
@@ -205,9 +215,22 @@ class _Batched:
 
         keys = torch.cat([self.k[li], pad(k)], 2)
         values = torch.cat([self.v[li], pad(v)], 2)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            pad(q), keys, values, attn_mask=self.mask[0 if self.uniform else li], scale=scale, enable_gqa=True)
-        return out.transpose(1, 2).reshape(b * nmax, -1)[self.oi]
+        mask = self.mask[0 if self.uniform else li]  # [B, 1, nmax, S + nmax]
+        if not self.chunked:
+            out = torch.nn.functional.scaled_dot_product_attention(
+                pad(q), keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+            return out.transpose(1, 2).reshape(b * nmax, -1)[self.oi]
+        # The dense part needs its log-sum-exp for the merge (SDPA does not return it): the dense
+        # entries are a draft cache's short exact suffix, so explicit scores are cheap.
+        hkv, d = keys.shape[1], keys.shape[3]
+        g = q.shape[1] // hkv
+        rows = pad(q).reshape(b, hkv, g * nmax, d)  # row j * nmax + i: GQA member j, token i
+        po, plse = chunk_prefix.attend(rows, self.prefixes, li, scale)
+        s = (rows @ keys.transpose(-1, -2)).float() * scale
+        s.masked_fill_(~mask.repeat(1, 1, g, 1), float("-inf"))
+        lse = s.logsumexp(-1)
+        out, _ = _merge((s - lse[..., None]).exp() @ values.float(), lse, po, plse)
+        return out.to(v.dtype).view(b, q.shape[1], nmax, d).transpose(1, 2).reshape(b * nmax, -1)[self.oi]
 
     def write(self) -> None:
         """The forward's new K/V into each segment's cache (after the last layer)."""
@@ -273,8 +296,11 @@ class Runtime:
         cos, sin = cos[:, None], sin[:, None]  # [N, 1, D]: one rotation for every head
         captured = []
         starts = [sum(s.n for s in segments[:i]) for i in range(len(segments))]
-        any_packed = any(s.cache.packed is not None for s in segments)
-        batch = _Batched(segments, starts, self.num_layers, self.device) if self.batched and not any_packed else None
+        packed = [s.cache.packed for s in segments if s.cache.packed is not None]
+        any_packed = bool(packed)
+        # Batched: dense caches, or stored-chunk prefixes of one arena (one kernel call per layer).
+        batchable = all(isinstance(p, ChunkPrefix) and p.arena is packed[0].arena for p in packed)
+        batch = _Batched(segments, starts, self.num_layers, self.device) if self.batched and batchable else None
         for li in range(self.num_layers):
             q, k, v = m.qkv(li, m.input_norm(li, x))
             q, k = m.qk_norm(li, q, k)

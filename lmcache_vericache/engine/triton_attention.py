@@ -58,26 +58,61 @@ class ChunkPool:
         """Stack ``chunks`` (per chunk, ``fmt.buffers(ckv, layer)``) into slots ``0..len-1``."""
         if not chunks:
             raise ValueError("a chunk pool needs at least one chunk")
+        pool = cls.empty(fmt, len(chunks), device)
+        for i, c in enumerate(chunks):
+            pool.write(i, c, f"chunk {i}")
+        return pool
+
+    @classmethod
+    def empty(cls, fmt: KVFormat, slots: int, device: torch.device | str | None = None) -> ChunkPool:
+        """A pool of ``slots`` zeroed slots."""
         sides = []
         for side in (fmt.k, fmt.v):
-            names = dict(zip(_PARTS, (side.codes, side.scale, side.zero, side.residual)))
-            want = _sizes(fmt, side)
-            for i, c in enumerate(chunks):
-                for part, name in names.items():
-                    if name is not None and (c[name].numel(), c[name].dtype) != want[part]:
-                        raise ValueError(f"chunk {i}: buffer {name!r} is {c[name].numel()} x {c[name].dtype}, "
-                                         f"the {fmt.method} format of {fmt.tokens}-token chunks has {want[part]}")
-            sides.append({part: torch.stack([c[name].reshape(-1) for c in chunks]).to(device)
-                          for part, name in names.items() if name is not None})
+            sides.append({part: torch.zeros(slots, n, dtype=dtype, device=device)
+                          for part, (n, dtype) in _sizes(fmt, side).items() if _names(side)[part] is not None})
         return cls(fmt, *sides)
+
+    def write(self, slot: int, buffers: dict[str, Tensor], what: str = "chunk") -> None:
+        """Copy one chunk's buffers (``fmt.buffers(ckv, layer)``) into ``slot``, each checked first to
+        be the format's size and dtype: the kernels index by the format, so a buffer of another size
+        (a chunk from another model, or a corrupt one) would be read out of bounds."""
+        fmt = self.fmt
+        for side in (fmt.k, fmt.v):
+            want = _sizes(fmt, side)
+            for part, name in _names(side).items():
+                if name is not None and (buffers[name].numel(), buffers[name].dtype) != want[part]:
+                    raise ValueError(f"{what}: buffer {name!r} is {buffers[name].numel()} x {buffers[name].dtype}, "
+                                     f"the {fmt.method} format of {fmt.tokens}-token chunks has {want[part]}")
+        for side, dst in ((fmt.k, self.k), (fmt.v, self.v)):
+            for part, name in _names(side).items():
+                if name is not None:
+                    dst[part][slot].copy_(buffers[name].reshape(-1), non_blocking=True)
+
+    def grow(self, slots: int) -> None:
+        """Grow to ``slots`` slots in place (the existing ones copied, the new ones zeroed)."""
+        for side in (self.k, self.v):
+            for part, t in side.items():
+                grown = t.new_zeros(slots, t.shape[1])
+                grown[:t.shape[0]] = t
+                side[part] = grown
 
     @property
     def slots(self) -> int:
         return self.k["codes"].shape[0]
 
     @property
+    def slot_bytes(self) -> int:
+        """Bytes one slot (one chunk of this layer) takes."""
+        return sum(t.shape[1] * t.element_size() for side in (self.k, self.v) for t in side.values())
+
+    @property
     def nbytes(self) -> int:
         return sum(t.nbytes for side in (self.k, self.v) for t in side.values())
+
+
+def _names(side: Side) -> dict[str, str | None]:
+    """Buffer names of ``side``'s parts (``None``: absent)."""
+    return dict(zip(_PARTS, (side.codes, side.scale, side.zero, side.residual)))
 
 
 def _sizes(fmt: KVFormat, side: Side) -> dict[str, tuple[int, torch.dtype]]:

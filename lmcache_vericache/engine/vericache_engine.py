@@ -34,8 +34,10 @@ from ..backends import DualTierStore, StoreConfig
 from ..backends.keys import KeySpace, model_fingerprint
 from . import int8_attention, lossy
 from .admission import Admission, Batch, Prompts
+from .chunk_prefix import ChunkArena, ChunkPrefix, kernel_format
 from .config import EngineConfig, check_device, check_stagger, decoding_options, resolve_store, store_fields
 from .horizon import DraftLen, Horizon, check_draft_len
+from .int8_attention import Int8Prefix
 from .ngram import NgramProposer
 from .prefill import Prefiller
 from .request import Request, Result
@@ -58,9 +60,12 @@ class VeriCacheEngine:
 
     The keyword options are :class:`~.config.EngineConfig`'s (validated before any model work):
     ``chunk_size``, ``draft_len``, ``max_draft_len``, ``stagger``, ``query_window``, ``full_kv``,
-    ``kv_budget_bytes``, ``verify_buffers``, ``int8_draft``, ``model_id``. ``int8_draft``: draft
-    caches keep an int8 compressor's prefix as codes, attended by the int8 kernel
-    (:mod:`~.int8_attention`); ``None``: where the compressor stores int8 codes and the kernel builds.
+    ``kv_budget_bytes``, ``verify_buffers``, ``int8_draft``, ``triton_draft``, ``model_id``.
+    ``int8_draft``: draft caches keep an int8 compressor's prefix as codes, attended by the CPU int8
+    kernel (:mod:`~.int8_attention`); ``None``: on a CPU, where the compressor stores int8 codes and
+    the kernel builds. ``triton_draft``: draft caches keep the prefix as its stored chunks (int8,
+    int4, KIVI, TurboQuant), attended by the Triton kernels (:mod:`~.chunk_prefix`); ``None``: on a
+    CUDA device where Triton imports and the compressor's format is one the kernels read.
 
     ``mode`` (``"exact"``, default, or ``"verkv"``) and ``verkv`` (``kvfetch_draft``, ``epsilon``,
     ``delta``, ``sketch_bits``): the store config's decoding keys (docs/verkv.md). ``"verkv"`` decodes
@@ -71,7 +76,8 @@ class VeriCacheEngine:
     or ``None``, default: the model's device). The model must already be there: the engine refuses a
     model on another device (it would otherwise move the caller's weights under it). On a CPU the
     runtime attends per segment with its C++ kernels; elsewhere one attention call per layer covers
-    the batch, the int8 drafter is off and swaps go through a pinned host pool (:mod:`~.swap`).
+    the batch, drafters whose chunks the Triton kernels read attend over them as stored
+    (``triton_draft``) and swaps go through a pinned host pool (:mod:`~.swap`).
 
     Chunk keys come from the shared key scheme (:class:`~lmcache_vericache.backends.keys.KeySpace`):
     the same prompt chunk has the same key in every host whose key space agrees: ``model_id``
@@ -87,10 +93,11 @@ class VeriCacheEngine:
                  eos_ids: set[int] | None = None, model_id: str | None = None, full_kv: str = "auto",
                  kv_budget_bytes: int | None = None, verify_buffers: int | None = None,
                  int8_draft: bool | None = None, mode: str | None = None,
-                 verkv: Mapping[str, Any] | None = None, device: str | torch.device | None = None):
+                 verkv: Mapping[str, Any] | None = None, device: str | torch.device | None = None,
+                 triton_draft: bool | None = None):
         check_device(model, device)
         self.config = EngineConfig(chunk_size, draft_len, max_draft_len, stagger, query_window, full_kv,
-                                   kv_budget_bytes, verify_buffers, int8_draft, model_id)
+                                   kv_budget_bytes, verify_buffers, int8_draft, model_id, triton_draft)
         decoding = decoding_options(mode, verkv)
         self.rt = Runtime(model)
         self.swap_pool = PinnedPool(device=self.rt.device) if self.rt.device.type == "cuda" else None
@@ -114,8 +121,10 @@ class VeriCacheEngine:
             model=store_config.model_id or model_fingerprint(model), dtype=self.rt.dtype, chunk_size=chunk_size)
         draft_room = max_draft_len + 2 + (ngram.num_tokens if ngram else 0)
         self.int8_draft = self._int8_draft(int8_draft)
+        self.triton_draft = kvfetch is None and self._triton_draft(triton_draft, chunk_size)
         self.prefiller = Prefiller(self.rt, self.store, self.compressor, chunk_size, query_window, draft_room,
-                                   self.key_space, self.int8_draft and kvfetch is None, kvfetch)
+                                   self.key_space, self._draft_prefix(chunk_size) if kvfetch is None else None,
+                                   kvfetch)
         self.admission = Admission(self.rt, self.config, self.prefiller, self.key_space, self.store, self.eos_ids,
                                    verkv=self.mode == "verkv")
 
@@ -137,6 +146,32 @@ class VeriCacheEngine:
                                  f"{int8_attention.HEAD_DIMS} / {int8_attention.DTYPES})")
             return False
         return True
+
+    def _triton_draft(self, wanted: bool | None, chunk_size: int) -> bool:
+        """Whether draft caches keep their prefix as stored chunks for the Triton kernels. Auto
+        (``None``): on CUDA, where the kernels read the compressor's format (not where the CPU int8
+        kernel already does)."""
+        if wanted is False or (wanted is None and (self.rt.device.type != "cuda" or self.int8_draft)):
+            return False
+        rt = self.rt
+        try:
+            kernel_format(self.compressor, rt.num_kv_heads, chunk_size, rt.head_dim, rt.dtype)
+        except ValueError as e:
+            if wanted:
+                raise ValueError(f"triton_draft: {e}") from None
+            return False
+        return True
+
+    def _draft_prefix(self, chunk_size: int) -> Callable[[], Int8Prefix | ChunkPrefix] | None:
+        """What makes a new draft cache's packed prefix (``None``: dense draft caches)."""
+        rt = self.rt
+        if self.int8_draft:
+            return lambda: Int8Prefix.empty(rt.num_layers, rt.num_kv_heads, rt.head_dim)
+        if self.triton_draft:
+            fmt = kernel_format(self.compressor, rt.num_kv_heads, chunk_size, rt.head_dim, rt.dtype)
+            arena = ChunkArena(fmt, rt.num_layers, rt.device)  # every request's chunks, one pool per layer
+            return lambda: ChunkPrefix(arena)
+        return None
 
     def chunk_keys(self, tokens: list[int]) -> list[str]:
         """Store keys of the full chunks of ``tokens``, as every host names them."""

@@ -68,7 +68,8 @@ def test_dry_run_prints_one_line_per_stage_and_appends_the_same_lines(tmp_path):
     assert vllm["connector"]["jobs"] == ["cold_32", "load_32"] and vllm["proposer"]["jobs"] == ["cold_32", "decode_32"]
     assert vllm["connector"]["llm"]["kv_transfer_config"]["kv_connector"] == "VeriCacheConnector"
     assert vllm["proposer"]["llm"]["speculative_config"]["method"] == "custom_class"
-    assert by["engine"]["ok"] and set(by["engine"]["results"]["commands"]) == {"float32", "bfloat16"}
+    assert by["engine"]["ok"] and set(by["engine"]["results"]["commands"]) == {
+        f"{c}/{dt}" for c in ("streamingllm", "int4") for dt in ("float32", "bfloat16")}
 
 
 def test_without_torch_as_after_a_failed_install_every_stage_still_gives_its_line(tmp_path):
@@ -84,7 +85,7 @@ def test_without_torch_as_after_a_failed_install_every_stage_still_gives_its_lin
 
 
 def test_a_small_budget_skips_the_stages_it_cannot_fit(tmp_path):
-    # 100 s: the later stages' nominal seconds (vllm 140 + engine 55, ...) leave facts and pcie under 10 s
+    # 100 s: the later stages' nominal seconds (vllm 120 + engine 85, ...) leave facts and pcie under 10 s
     _, lines = check(tmp_path, GPU_CHECK_BUDGET_S="100")
     by = {ln["stage"]: ln for ln in lines}
     assert [ln["stage"] for ln in lines] == STAGES
