@@ -64,13 +64,14 @@ import torch
 
 from .. import compressors
 from ..engine.cache import KVCache, append_chunks, kv_to_2ltd
-from ..engine.chunk_prefix import ChunkArena, ChunkPrefix, kernel_format
+from ..engine.chunk_prefix import ChunkPrefix
 from ..engine.horizon import Horizon
 from ..options import parse_options
 from . import paged_layout as pl
 from .device_io import TorchCuda
 from .draft_budget import DraftBudget, auto_bytes, chunk_entries, device_cap, kept_counts
 from .draft_loop import greedy_drafts
+from .draft_prefixes import DraftPrefixes
 from .kv_layout import KVLayout
 from .kv_layout import layout_for as kv_layout_for
 from .pay_gate import MAX_BYTES_RATIO, PayGate, weight_bytes
@@ -199,24 +200,21 @@ class CompressedKVProposer:
         self.gate = PayGate(max_step_tokens=self.k + 1) if self.opts.gate else None
         mc = vllm_config.model_config
         self._weight_bytes = weight_bytes(getattr(mc, "model", None), getattr(mc, "dtype", torch.float32))
-        self._ratios: dict[int, float] = {}  # id(compressor) -> share of entries its draft caches keep
         self.rt = None
         self._attn: list[torch.nn.Module] = []
         self._layout: KVLayout | None = None  # vLLM's paged KV of the layers, read on first use
         self._block_table: Tensor | None = None
         self._first: list[tuple[np.ndarray, int]] = []  # load drafts proposed last step: (row, proposed)
         self._draft_stream: tuple[TorchCuda, Any] | None = None  # CUDA: (ops, the drafter's own stream)
-        self._arenas: dict[int, ChunkArena | None] = {}  # id(compressor) -> its chunks' arena (None: dense)
+        self._prefixes: DraftPrefixes | None = None  # dense or chunked, per chunk source (made with rt)
 
     # -- vLLM hooks ------------------------------------------------------------------------------
     def load_model(self, target_model: torch.nn.Module) -> None:
         self.rt = runtime_for(target_model)
-        if self.opts.triton_draft:  # asked for: refuse now, naming why, rather than draft dense silently
-            try:
-                kernel_format(self.compressor, self.rt.num_kv_heads, self.opts.chunk_size, self.rt.head_dim,
-                              self.rt.dtype)
-            except ValueError as e:
-                raise ValueError(f"{CONFIG_KEY}.triton_draft: {e}") from None
+        try:
+            self.prefixes.check()
+        except ValueError as e:
+            raise ValueError(f"{CONFIG_KEY}.triton_draft: {e}") from None
         # On CUDA the draft caches' bytes are held from here, inside vLLM's measurement of the
         # model's memory, until the first draft cache is charged (why: DraftBudget.reserve_device).
         self.budget = self._new_budget()
@@ -239,13 +237,21 @@ class CompressedKVProposer:
         target_model.compute_logits = locked_logits
         target_model._vericache_proposer = self  # reachable from LLM.apply_model (stats, tests)
 
+    @property
+    def prefixes(self) -> DraftPrefixes:
+        """How draft caches hold their prefix (:mod:`.draft_prefixes`), for the current runtime."""
+        if self._prefixes is None or self._prefixes.rt is not self.rt:
+            self._prefixes = DraftPrefixes(self.rt, self.compressor, self.opts.chunk_size, self.opts.triton_draft,
+                                           charge=lambda old, new: self.budget.grow(old, new))
+        return self._prefixes
+
     def _new_budget(self) -> DraftBudget:
         o, rt = self.opts, self.rt
         if o.draft_cache_bytes != "auto":
             return DraftBudget(o.draft_cache_bytes)
         # A prefix kept as stored chunks costs its stored bytes: as many as that share of dense entries.
-        kept = ([math.ceil(o.chunk_size * self._kept_ratio(None))] * rt.num_layers if self._arena(None) is not None
-                else kept_counts(self.compressor, o.chunk_size, rt))
+        kept = ([math.ceil(o.chunk_size * self.prefixes.kept_ratio(None))] * rt.num_layers
+                if self.prefixes.arena(None) is not None else kept_counts(self.compressor, o.chunk_size, rt))
         return DraftBudget(auto_bytes(self.max_num_seqs, self.max_model_len, kept, o.chunk_size,
                                       o.chunk_size + o.window + self.max_draft, rt.kv_bytes_per_token(),
                                       device_cap(rt.device, self.mem_share)))
@@ -350,50 +356,9 @@ class CompressedKVProposer:
         so the proposer does not even probe (building draft states alone would cost more)."""
         if self._weight_bytes is None:
             return True
-        ratio = self._kept_ratio(self.context.source)
+        ratio = self.prefixes.kept_ratio(self.context.source)
         kv = sum(n for n in lengths if n > 0) * self.rt.kv_bytes_per_token()
         return self._weight_bytes + ratio * kv <= MAX_BYTES_RATIO * (self._weight_bytes + kv)
-
-    def _kept_ratio(self, source: ChunkSource | None) -> float:
-        """Share of a chunk's bytes a draft cache holds, for the compressor drafts will use (the
-        connector's store's, where there is one). Measured once per compressor on a random chunk:
-        a dense draft cache holds decompressed entries (a quantizer keeps all of them), a prefix kept
-        as stored chunks (``triton_draft``) their stored bytes."""
-        compressor, c = self._chunking(source)
-        key = id(compressor)  # compressors are unhashable dataclasses; this one lives as long as we do
-        if key not in self._ratios:
-            rt = self.rt
-            probe = torch.randn(2, rt.num_layers, c, rt.num_kv_heads * rt.head_dim).to(rt.dtype)
-            ckv = compressor.compress(probe, rt.num_kv_heads)
-            if self._arena(source) is not None:
-                self._ratios[key] = ckv.nbytes / ckv.full_nbytes
-            else:
-                layers = compressor.decompress(ckv)
-                self._ratios[key] = sum(layer.keys.shape[1] for layer in layers) / (rt.num_layers * c)
-        return self._ratios[key]
-
-    def _chunking(self, source: ChunkSource | None) -> tuple[Any, int]:
-        """The compressor and chunk size of draft prefixes: the KV connector's store's, else ours."""
-        return (source.store.compressor, source.chunk_size) if source else (self.compressor, self.opts.chunk_size)
-
-    def _arena(self, source: ChunkSource | None) -> ChunkArena | None:
-        """The arena of the chunks drafts use (``None``: dense draft caches), made on first use:
-        where ``triton_draft`` is on, or auto on CUDA, and the kernels read the chunks' format
-        (a store's chunks of another format are drafted dense, said once in the log)."""
-        compressor, c = self._chunking(source)
-        key = id(compressor)
-        if key not in self._arenas:
-            want, rt, arena = self.opts.triton_draft, self.rt, None
-            if want or (want is None and rt.device.type == "cuda"):
-                try:
-                    fmt = kernel_format(compressor, rt.num_kv_heads, c, rt.head_dim, rt.dtype)
-                    arena = ChunkArena(fmt, rt.num_layers, rt.device, charge=lambda old, new: self.budget.grow(old, new))
-                except ValueError as e:
-                    if want:
-                        logger.warning("triton_draft: the %s chunks of the KV connector's store are drafted "
-                                       "over decompressed copies: %s", compressor.name, e)
-            self._arenas[key] = arena
-        return self._arenas[key]
 
     def _load_drafts(self, out: list[list[int]], sampled_token_ids: list, num_tokens_no_spec: np.ndarray,
                      token_ids_cpu: np.ndarray) -> set[int]:
@@ -439,10 +404,7 @@ class CompressedKVProposer:
                           nbytes=best.nbytes, source=best.source)
         if best is None or any(best is c for c in claimed):  # an empty cache: _sync grows it within the budget
             source = self.context.source
-            cache = self.rt.new_cache(0)
-            if (arena := self._arena(source)) is not None:
-                cache.packed = ChunkPrefix(arena)
-            return _State(cache, row[:0].copy(), self._horizon(), source=source)
+            return _State(self.prefixes.new_cache(source), row[:0].copy(), self._horizon(), source=source)
         return best
 
     def _horizon(self) -> Horizon:
@@ -457,7 +419,7 @@ class CompressedKVProposer:
         else compressed here from vLLM's cache), then copy the exact KV of the rest from vLLM's cache.
         ``False`` (the state unchanged) where the cache would pass the budget."""
         valid, source = len(row) - 1, st.source
-        compressor, c = self._chunking(source)
+        compressor, c = self.prefixes.chunking(source)
         upto = max(st.prefix, (valid - self.opts.window) // c * c)
         keys = source.space.token_keys(row[:upto].tolist()) if source and upto > st.prefix else None
         ckvs, stored = [], []

@@ -156,10 +156,18 @@ class ChunkPrefix:
         self._release = weakref.finalize(self, arena.release, self.slots)
 
     def append(self, ckvs: Sequence[CompressedKV]) -> None:
-        """Put ``ckvs`` (the next chunks, in order) into the arena and onto this prefix."""
+        """Put ``ckvs`` (the next chunks, in order) into the arena and onto this prefix: all of them,
+        or none (a chunk refused by :meth:`ChunkArena.put` gives back the slots of those before it)."""
         if not self.arena.ensure(len(ckvs)):
             raise MemoryError(f"the draft budget refused {len(ckvs)} chunk slots")
-        self.slots += [self.arena.put(ckv) for ckv in ckvs]
+        put: list[int] = []
+        try:
+            for ckv in ckvs:
+                put.append(self.arena.put(ckv))
+        except BaseException:
+            self.arena.release(put)
+            raise
+        self.slots += put
 
     def release(self) -> None:
         """Give the slots back now (also done when the prefix is garbage-collected)."""

@@ -148,12 +148,12 @@ def test_bytes_bound_counts_the_entries_a_dense_draft_cache_keeps(tiny_model):
     # int8 chunks are attended dequantized: a draft step reads every entry, so drafting can never
     # read fewer bytes than a plain step; StreamingLLM at 25% keeps a quarter of them.
     p, _ = make(tiny_model, compressor="int8", gate=True)
-    assert p._kept_ratio(None) == 1.0
+    assert p.prefixes.kept_ratio(None) == 1.0
     p._weight_bytes = 10 ** 6
     kv = p.rt.kv_bytes_per_token()
     assert not p._may_pay([10 ** 8 // kv])  # KV far above the weights, but int8 keeps it all
     p, _ = make(tiny_model, compressor="streamingllm", compressor_params={"keep_ratio": 0.25}, gate=True)
-    assert abs(p._kept_ratio(None) - 0.25) < 0.02
+    assert abs(p.prefixes.kept_ratio(None) - 0.25) < 0.02
     p._weight_bytes = 10 ** 6
     assert p._may_pay([10 ** 8 // kv]) and not p._may_pay([10])  # KV-bound: may pay; weight-bound: not
 

@@ -174,7 +174,7 @@ def run_proposer() -> dict:
                 a.accept(2)
                 b.accept(1)
             drafts.append(steps)
-        arena = next(iter(p._arenas.values()))
+        arena = p.prefixes.arena(None)
         res[method] = {"same_drafts": drafts[0] == drafts[1], "drafted": sum(len(d) for s in drafts[1] for d in s),
                        "chunked": all(isinstance(st.cache.packed, ChunkPrefix) for st in p.states),
                        "slots": sum(arena.refs), "held": p.budget.held,
@@ -241,6 +241,43 @@ def test_smollm2_drafting_through_the_int4_kernel_is_lossless_and_accepts_like_d
     res = _subprocess("smollm2")
     assert res["triton"]["identical"] and res["dense"]["identical"], res
     assert res["triton"]["tokens_per_round"] >= 0.9 * res["dense"]["tokens_per_round"] > 1.5, res
+
+
+def test_arena_refuses_chunks_of_another_format_or_size_and_holds_nothing():
+    from lmcache_vericache.engine.chunk_prefix import ChunkArena, ChunkPrefix
+
+    comp = compressors.get("int4")
+    arena = ChunkArena(formats.describe(comp, HEADS, CHUNK, HEAD_DIM, torch.float32), 2, "cpu")
+    good = comp.compress(torch.randn(2, 2, CHUNK, HEADS * HEAD_DIM), HEADS)
+    for bad, match in ((comp.compress(torch.randn(2, 2, CHUNK // 2, HEADS * HEAD_DIM), HEADS), "tokens"),
+                       (compressors.get("int8").compress(torch.randn(2, 2, CHUNK, HEADS * HEAD_DIM), HEADS), "int8")):
+        with pytest.raises(ValueError, match=match):
+            arena.put(bad)
+    corrupt = comp.compress(torch.randn(2, 2, CHUNK, HEADS * HEAD_DIM), HEADS)
+    corrupt.layer_buffers(1)["kq"].resize_(3)  # a truncated code buffer: the kernel would read past it
+    prefix = ChunkPrefix(arena)
+    with pytest.raises(ValueError, match="layer 1 .*'kq' is 3"):
+        prefix.append([good, corrupt])
+    assert prefix.slots == [] and sum(arena.refs) == 0  # all or nothing: the good chunk's slot came back
+    prefix.append([good])
+    clone = prefix.clone()
+    del prefix
+    assert sum(arena.refs) == len(clone.slots)  # the clone still holds what they shared
+
+
+def test_triton_draft_where_the_kernels_cannot_run_is_refused_with_the_reason(tiny_model):
+    from lmcache_vericache.engine import VeriCacheEngine
+    from lmcache_vericache.engine import triton_attention as ta
+
+    with pytest.raises(ValueError, match="int8_draft and triton_draft"):
+        VeriCacheEngine(tiny_model, "int8", int8_draft=True, triton_draft=True)
+    with pytest.raises(ValueError, match="triton_draft must be"):
+        VeriCacheEngine(tiny_model, "int8", triton_draft="yes")
+    if not ta.available():  # this process: no GPU, no interpreter
+        with pytest.raises(ValueError, match="triton_draft: the Triton kernels need triton and a CUDA device"):
+            VeriCacheEngine(tiny_model, "int4", triton_draft=True)
+    eng = VeriCacheEngine(tiny_model, "int4")
+    assert eng.triton_draft is False  # auto: only on CUDA
 
 
 if __name__ == "__main__":
