@@ -6,7 +6,9 @@
   draft cache's buffers (its K/V, dense: the decompressed prefix chunks, the exact suffix and the
   room for the draft tokens) is charged before the buffer is allocated (:meth:`DraftBudget.grow`)
   and given back when the proposer drops the cache (:meth:`DraftBudget.give`): a request that
-  finished or was preempted. ``held`` never exceeds ``limit``, counting the old buffer beside the
+  finished or was preempted. Prefixes kept as stored chunks (``triton_draft``) live in an arena
+  whose capacity is charged as it grows (old and new together, while it is copied) and stays
+  charged: its freed slots are reused, never returned (:mod:`..engine.chunk_prefix`). ``held`` never exceeds ``limit``, counting the old buffer beside the
   new one while a growing cache is copied. Transient tensors (a chunk being compressed or
   decompressed, on the host) are not charged.
 * **The load-window drafter** (:mod:`.drafts`) builds draft caches too, one per loading request;

@@ -345,6 +345,8 @@ class CompressedKVProposer:
         for st in self.states:
             if not any(st is k for k in kept):
                 self.budget.give(st.nbytes)
+                if isinstance(st.cache.packed, ChunkPrefix):
+                    st.cache.packed.release()  # its arena slots (the arena's capacity stays charged)
         self.states = kept
 
     def _may_pay(self, lengths: list[int]) -> bool:

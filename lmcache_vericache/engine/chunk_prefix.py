@@ -17,17 +17,22 @@ Contract of :class:`ChunkArena`:
 * **Ownership:** the arena belongs to the engine or proposer that made it. Prefixes hold slots by
   reference count: a stored chunk never changes, so a cloned prefix shares its slots; a slot is
   free again when the last prefix holding it is released or garbage-collected.
-* **Bytes:** the device memory it holds is its capacity. It grows by a quarter (at least 8 slots)
-  when a put finds no free slot, the growth charged first to ``charge(old_bytes, new_bytes)`` (the
-  proposer's :class:`~..connectors.draft_budget.DraftBudget`), and never shrinks: freed slots are
-  reused.
+* **Bytes:** the device memory it holds is its capacity. It grows by a quarter (at least 8 slots;
+  only what is asked for where the quarter is refused) when a put finds no free slot, the growth
+  charged first to ``charge(old_bytes, new_bytes)`` (the proposer's
+  :class:`~..connectors.draft_budget.DraftBudget`, which admits it while old and new fit together:
+  the copy needs both, and CUDA's caching allocator keeps the old blocks), and never shrinks:
+  freed slots are reused, so the proposer's budget keeps its capacity charged. Under a budget an
+  arena therefore reaches about half of it (old + new at the last growth).
 * **Input:** a chunk's buffers are checked against the format before they are copied (a shared
   store's chunk of another size would make the kernel read out of bounds).
-* **Threading:** one thread (the engine's, or vLLM's worker thread in ``propose``).
+* **Threading:** one thread (the engine's, or vLLM's worker thread in ``propose``); owners release a
+  dropped prefix explicitly (:meth:`ChunkPrefix.release`), the finalizer is the fallback.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import weakref
 from collections.abc import Callable, Sequence
@@ -35,7 +40,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..compressors import CompressedKV, KVCompressor
-from ..compressors.formats import KVFormat, describe
+from ..compressors.formats import KVFormat, Side, describe
 from . import triton_attention
 from .triton_attention import ChunkPool
 
@@ -60,15 +65,22 @@ def kernel_format(compressor: KVCompressor, heads: int, chunk_size: int, head_di
     return fmt
 
 
+def _on(side: Side, device: torch.device) -> Side:
+    move = {name: getattr(side, name).to(device) for name in ("codebook", "rotation") if getattr(side, name) is not None}
+    return dataclasses.replace(side, **move)
+
+
 class ChunkArena:
     """Chunks of format ``fmt`` for ``layers`` layers on ``device`` (see the module docstring)."""
 
     def __init__(self, fmt: KVFormat, layers: int, device: torch.device | str,
                  charge: Callable[[int, int], bool] | None = None):
-        self.fmt, self.device = fmt, torch.device(device)
+        self.device = torch.device(device)
+        # The codebook and rotation (TurboQuant) on the device once, not copied from the host per call.
+        self.fmt = dataclasses.replace(fmt, k=_on(fmt.k, self.device), v=_on(fmt.v, self.device))
         self.pools = [ChunkPool.empty(fmt, 0, self.device) for _ in range(layers)]
         self.refs: list[int] = []
-        self._free: list[int] = []  # popped from the end: lowest slot first
+        self._free: list[int] = []  # popped from the end (new slots lowest first)
         self._charge = charge
         self._table: tuple[tuple, tuple[Tensor, Tensor]] | None = None  # the last chunk table built
 
@@ -94,7 +106,9 @@ class ChunkArena:
         cap = self.capacity
         new = cap + max(short, cap // 4, 8)
         if self._charge is not None and not self._charge(cap * self.slot_bytes, new * self.slot_bytes):
-            return False
+            new = cap + short  # the quarter refused: just what is asked for
+            if not self._charge(cap * self.slot_bytes, new * self.slot_bytes):
+                return False
         for pool in self.pools:
             pool.grow(new)
         self.refs += [0] * (new - cap)
@@ -170,8 +184,11 @@ class ChunkPrefix:
         self.slots += put
 
     def release(self) -> None:
-        """Give the slots back now (also done when the prefix is garbage-collected)."""
+        """Give the slots back now (also done when the prefix is garbage-collected); the prefix is
+        then empty and may take chunks again."""
         self._release()
+        self.slots = []
+        self._release = weakref.finalize(self, self.arena.release, self.slots)
 
     def length(self, layer: int) -> int:
         return len(self.slots) * self.arena.fmt.tokens

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from .cache import KVCache
+from .chunk_prefix import ChunkPrefix
 from .horizon import Horizon
 from .kvfetch import CertifiedPrefix
 from .swap import SwapIn
@@ -146,4 +147,6 @@ class Request:
         """Free the request's KV (a finished request needs none); KVFetch counters go to its stats first."""
         if self.draft is not None and isinstance(self.draft.packed, CertifiedPrefix):
             self.stats.kvfetch = self.draft.packed.stats.as_dict()
+        if self.draft is not None and isinstance(self.draft.packed, ChunkPrefix):
+            self.draft.packed.release()  # its arena slots, now and on this thread
         self.full = self.draft = None

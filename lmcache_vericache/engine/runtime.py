@@ -163,8 +163,8 @@ class _Batched:
 
     def __init__(self, segments: list[Segment], starts: list[int], layers: int, device: torch.device):
         self.segments, self.starts = segments, starts
-        # Draft caches whose prefix is stored chunks (chunk_prefix, one arena): the kernel attends
-        # over every segment's prefix in one call per layer, merged with the dense part below.
+        # Draft caches whose prefix is stored chunks (chunk_prefix, one arena, every segment): the
+        # kernel attends over their prefixes in one call per layer, merged with the dense part below.
         self.prefixes = [s.cache.packed for s in segments]
         self.chunked = any(p is not None for p in self.prefixes)
         b = len(segments)
@@ -221,12 +221,13 @@ class _Batched:
                 pad(q), keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
             return out.transpose(1, 2).reshape(b * nmax, -1)[self.oi]
         # The dense part needs its log-sum-exp for the merge (SDPA does not return it): the dense
-        # entries are a draft cache's short exact suffix, so explicit scores are cheap.
+        # entries are draft caches' exact suffixes (every segment here has a chunked prefix), so
+        # explicit float32 scores are cheap.
         hkv, d = keys.shape[1], keys.shape[3]
         g = q.shape[1] // hkv
         rows = pad(q).reshape(b, hkv, g * nmax, d)  # row j * nmax + i: GQA member j, token i
         po, plse = chunk_prefix.attend(rows, self.prefixes, li, scale)
-        s = (rows @ keys.transpose(-1, -2)).float() * scale
+        s = (rows.float() @ keys.float().transpose(-1, -2)) * scale
         s.masked_fill_(~mask.repeat(1, 1, g, 1), float("-inf"))
         lse = s.logsumexp(-1)
         out, _ = _merge((s - lse[..., None]).exp() @ values.float(), lse, po, plse)
@@ -298,8 +299,11 @@ class Runtime:
         starts = [sum(s.n for s in segments[:i]) for i in range(len(segments))]
         packed = [s.cache.packed for s in segments if s.cache.packed is not None]
         any_packed = bool(packed)
-        # Batched: dense caches, or stored-chunk prefixes of one arena (one kernel call per layer).
-        batchable = all(isinstance(p, ChunkPrefix) and p.arena is packed[0].arena for p in packed)
+        # Batched: dense caches, or every segment a draft cache over stored chunks of one arena (one
+        # kernel call per layer). A verify segment beside draft segments (staggered rounds) keeps the
+        # per-segment path: its full cache is attended exactly as plain decoding attends it.
+        batchable = not packed or (len(packed) == len(segments) and all(
+            isinstance(p, ChunkPrefix) and p.arena is packed[0].arena for p in packed))
         batch = _Batched(segments, starts, self.num_layers, self.device) if self.batched and batchable else None
         for li in range(self.num_layers):
             q, k, v = m.qkv(li, m.input_norm(li, x))

@@ -120,7 +120,10 @@ class VeriCacheEngine:
         self.key_space: KeySpace = store_config.key_space(
             model=store_config.model_id or model_fingerprint(model), dtype=self.rt.dtype, chunk_size=chunk_size)
         draft_room = max_draft_len + 2 + (ngram.num_tokens if ngram else 0)
-        self.int8_draft = self._int8_draft(int8_draft)
+        # Asked for the Triton kernels: the CPU int8 kernel (auto) does not take the prefixes instead.
+        self.int8_draft = self._int8_draft(False if triton_draft and int8_draft is None else int8_draft)
+        if triton_draft and kvfetch is not None:
+            raise ValueError("triton_draft: a KVFetch drafter (kvfetch_draft or mode 'verkv') attends its own prefix")
         self.triton_draft = kvfetch is None and self._triton_draft(triton_draft, chunk_size)
         self.prefiller = Prefiller(self.rt, self.store, self.compressor, chunk_size, query_window, draft_room,
                                    self.key_space, self._draft_prefix(chunk_size) if kvfetch is None else None,

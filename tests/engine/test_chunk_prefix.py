@@ -93,10 +93,20 @@ def run_runtime() -> dict:
                     for c, s in zip(caches, sizes):
                         c.n -= s - 1  # keep one new token per request: the next step starts after it
                 err = max(err, float((logits[0] - logits[1]).abs().max()))
+            mixed = None
+            if batched:  # a draft segment beside a verify segment (staggered rounds): as per segment
+                c1, c2 = pairs[1][1], fulls[1]
+                pos = torch.tensor([c1.packed.length(0) + c1.n, c2.n])
+                logits = []
+                for r in (rt, Runtime(model, batched=False)):
+                    n1, n2 = c1.n, c2.n
+                    logits.append(r.forward(prompts[1][:2], pos, [Segment(c1, 1), Segment(c2, 1)])[0])
+                    c1.n, c2.n = n1, n2
+                mixed = float((logits[0] - logits[1]).abs().max())
             held = sum(arena.refs)
             pairs[0][1].packed.release()
             res[f"{method}/{'batched' if batched else 'segments'}"] = {
-                "err": err, "chunks": held, "free_after_release": len(arena._free), "capacity": arena.capacity}
+                "err": err, "mixed_err": mixed, "chunks": held, "free_after_release": len(arena._free), "capacity": arena.capacity}
     return res
 
 
@@ -120,7 +130,7 @@ def run_engine() -> dict:
             out = eng.generate(prompts, 24)
             key = "batched" if batched else "segments"
             row[key] = {"identical": [r.tokens for r in out] == ref, "accepted": sum(sum(r.stats.accepted) for r in out),
-                        "triton_draft": eng.triton_draft}
+                        "triton_draft": eng.triton_draft, "prefix": type(eng.prefiller.draft_prefix()).__name__}
         res[method] = row
     return res
 
@@ -213,6 +223,7 @@ def test_every_kernel_format_is_tested():
 def test_chunked_prefix_attends_like_its_decompressed_copy(runtime_results, method, path):
     r = runtime_results[f"{method}/{path}"]
     assert r["err"] < 1e-4, r
+    assert path == "segments" or r["mixed_err"] == 0.0, r  # verify rows keep plain decoding's path
     assert r["chunks"] == 3 + 1  # requests with 3, 1 and 0 chunks: one slot each
     assert r["free_after_release"] == r["capacity"] - 1  # the first request's 3 slots came back
 
@@ -222,7 +233,7 @@ def test_chunked_prefix_attends_like_its_decompressed_copy(runtime_results, meth
 @pytest.mark.parametrize("method", METHODS)
 def test_engine_drafting_through_the_kernels_is_lossless(engine_results, method, path):
     row = engine_results[method]
-    assert row[path]["triton_draft"] and row[path]["identical"], row
+    assert row[path]["triton_draft"] and row[path]["prefix"] == "ChunkPrefix" and row[path]["identical"], row
     # The same chunks, the same numerics up to float rounding: the drafts are (nearly) the same.
     assert abs(row[path]["accepted"] - row["dense_accepted"]) <= max(2, row["dense_accepted"] // 10), row
 
@@ -263,6 +274,39 @@ def test_arena_refuses_chunks_of_another_format_or_size_and_holds_nothing():
     clone = prefix.clone()
     del prefix
     assert sum(arena.refs) == len(clone.slots)  # the clone still holds what they shared
+
+
+def test_arena_slots_are_reference_counted_reused_and_grown_within_the_charge():
+    from lmcache_vericache.engine.chunk_prefix import ChunkArena, ChunkPrefix
+
+    comp = compressors.get("int8")
+    charges = []
+
+    def charge(old: int, new: int) -> bool:
+        charges.append((old, new))
+        return new <= 9 * arena.slot_bytes  # room for 9 slots: the quarter step past 8 is refused
+
+    arena = ChunkArena(formats.describe(comp, HEADS, CHUNK, HEAD_DIM, torch.float32), 2, "cpu", charge=charge)
+    chunks = [comp.compress(torch.randn(2, 2, CHUNK, HEADS * HEAD_DIM), HEADS) for _ in range(10)]
+    a = ChunkPrefix(arena)
+    a.append(chunks[:8])
+    assert arena.capacity == 8 and a.slots == list(range(8)) and charges == [(0, 8 * arena.slot_bytes)]
+    b = a.clone()
+    a.release()
+    assert a.slots == [] and sum(arena.refs) == 8  # the clone still holds every slot
+    a.append(chunks[8:9])  # no free slot: 8 -> 16 refused, 8 -> 9 admitted
+    assert arena.capacity == 9 and charges[-2:] == [(8 * arena.slot_bytes, 16 * arena.slot_bytes),
+                                                    (8 * arena.slot_bytes, 9 * arena.slot_bytes)]
+    with pytest.raises(MemoryError):
+        a.append(chunks[9:])  # full and no more room: nothing changes
+    assert a.slots == [8] and arena.capacity == 9
+    del b  # garbage-collected: its slots come back, and are reused before the arena grows
+    a.append(chunks[9:])
+    assert arena.capacity == 9 and len(a.slots) == 2 and sum(arena.refs) == 2
+    # The slot's contents are the chunk's buffers as stored.
+    fmt = arena.fmt
+    want = fmt.buffers(chunks[9], 1)[fmt.k.codes].reshape(-1)
+    assert torch.equal(arena.pools[1].k["codes"][a.slots[1]], want)
 
 
 def test_triton_draft_where_the_kernels_cannot_run_is_refused_with_the_reason(tiny_model):
