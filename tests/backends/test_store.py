@@ -309,14 +309,14 @@ def test_has_full_tracks_the_full_copy_not_the_compressed_one(tmp_path):
 
 
 _HOT_RSS = r"""
-import gc, json, sys, tempfile, torch
+import gc, json, sys, torch
 from lmcache_vericache.backends import StoreConfig
 
 def rss():
     return next(int(ln.split()[1]) << 10 for ln in open("/proc/self/status") if ln.startswith("VmRSS"))
 
-bound, puts = int(sys.argv[1]), [int(n) for n in sys.argv[2:]]
-store = StoreConfig.parse({"capacity": "disk", "disk_path": tempfile.mkdtemp(), "hot_bytes": bound,
+disk, bound, puts = sys.argv[1], int(sys.argv[2]), [int(n) for n in sys.argv[3:]]
+store = StoreConfig.parse({"capacity": "disk", "disk_path": disk, "hot_bytes": bound,
                            "num_kv_heads": 3}).build()
 full = torch.randn(2, 30, 256, 192, generator=torch.Generator().manual_seed(0))  # SmolLM2, fp32
 # The put path's transient buffers (a full chunk's bytes, the compressor's temporaries) stay with
@@ -347,7 +347,8 @@ def test_hot_tier_memory_stays_within_its_bound(tmp_path):
     per_chunk = 3 << 20  # about the size of one compressed chunk here
     script = tmp_path / "hot_rss.py"
     script.write_text(_HOT_RSS)
-    done = subprocess.run([sys.executable, str(script), str(bound), str(2 * bound // per_chunk),
+    # The disk tier under tmp_path: its ~2.8 GB of full chunks go with pytest's temporary folders.
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "disk"), str(bound), str(2 * bound // per_chunk),
                            str(4 * bound // per_chunk)], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
     (filled, counted, entries), (churned, _, _) = json.loads(done.stdout.splitlines()[-1])
