@@ -177,6 +177,7 @@ class RedisClusterProcesses:
     def __init__(self, binary: str, cli: str, *, masters: int = 3, replicas: int = 1,
                  node_timeout_ms: int = 1000, timeout: float = 30.0) -> None:
         self.binary, self.cli, self.node_timeout_ms = binary, cli, node_timeout_ms
+        self.replicas = replicas
         self._dir = tempfile.mkdtemp(prefix="vericache-cluster-")
         self.procs: dict[int, subprocess.Popen] = {}
         self._clients: dict[int, object] = {}
@@ -343,12 +344,16 @@ class RedisClusterProcesses:
         raise TimeoutError(f"cluster not ok after {timeout} s: {why}")
 
     def wait_replicas_linked(self, timeout: float = 30.0) -> None:
-        """Until every live replica has a live link to its master (initial sync done)."""
+        """Until every slot-owning master has its replicas in the cluster's view (gossip spreads the
+        roles after ``--cluster create``: a replica may still show as a slotless master) and every
+        live replica has a live link to its master (initial sync done)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            infos = [self.client(n["port"]).info("replication") for n in self.nodes()
-                     if n["role"] == "replica" and n["alive"]]
-            if all(i.get("master_link_status") == "up" for i in infos):
+            nodes = self.nodes()
+            infos = [self.client(n["port"]).info("replication") for n in nodes if n["role"] == "replica" and n["alive"]]
+            owners = [n["port"] for n in nodes if n["role"] == "master" and n["slots"]]
+            if (all(len([r for r in nodes if r["master"] == m]) >= self.replicas for m in owners)
+                    and all(i.get("master_link_status") == "up" for i in infos)):
                 return
             time.sleep(0.05)
         raise TimeoutError(f"replicas not linked to their masters after {timeout} s")
