@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -233,8 +234,12 @@ def main() -> None:
     ap.add_argument("--full", action="store_true", help="2k/4k/8k, batch 1/8, fp32/bf16, every method")
     ap.add_argument("--grid", action="store_true",
                     help="1k/2k/4k/8k x batch 1/2/4/8/16, bf16 + fp32, int8, no step costs or acceptance")
+    ap.add_argument("--verify-attention", default="auto", choices=["auto", "kernel", "flash"],
+                    help="bf16 verify blocks' attention: auto (PyTorch flash on AMX CPUs, else the dense "
+                         "kernel), or either on any CPU (A/B runs)")
     ap.add_argument("--name", default="decode")
     args = ap.parse_args()
+    os.environ["VERICACHE_VERIFY_ATTENTION"] = args.verify_attention  # read by the runtime per block
     if args.full:
         args.contexts, args.batches, args.dtypes = "2048,4096,8192", "1,8", "float32,bfloat16"
         args.compressors = ",".join(compressors.available())
@@ -350,7 +355,7 @@ def main() -> None:
                   f"{' (loops)' if a['greedy_loops'] else ''}  sampled {a['sampled_t08']:5.1f}  teacher-forced {tf:5.1f}",
                   flush=True)
     OUT.mkdir(exist_ok=True)
-    meta = dict(**machine_info(), limits=rates, new_tokens=args.new_tokens, draft_len=args.draft_len, prefix=args.prefix,
+    meta = dict(**machine_info(), verify_attention=args.verify_attention, limits=rates, new_tokens=args.new_tokens, draft_len=args.draft_len, prefix=args.prefix,
                 source=args.source, full_kv=args.full_kv, reps=args.reps, step_reps=args.step_reps, stagger=args.stagger)
     (OUT / f"{args.name}.json").write_text(json.dumps(dict(meta=meta, throughput=rows, acceptance=accept_rows), indent=1))
     _plot(rows, OUT / f"{args.name}.png")

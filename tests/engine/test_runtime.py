@@ -99,12 +99,17 @@ def _masked_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 # A decode step (n = 1) and verify blocks (head size 64: the dense C++ kernel for the entries before
 # the token or block, 3-120 rows per KV head; 16: flash), in fp32 and bf16, with and without an
-# earlier part merged by log-sum-exp (a draft cache's packed prefix).
+# earlier part merged by log-sum-exp (a draft cache's packed prefix); bf16 verify blocks also through
+# the masked flash call AMX CPUs take (VERICACHE_VERIFY_ATTENTION=flash forces it on any CPU).
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("n", [1, 7, 17, 40])
 @pytest.mark.parametrize("head_dim", [16, 64])
 @pytest.mark.parametrize("with_prefix", [False, True])
-def test_block_attention_equals_masked_softmax(dtype, tol, n, head_dim, with_prefix):
+@pytest.mark.parametrize("verify", ["kernel", "flash"])
+def test_block_attention_equals_masked_softmax(dtype, tol, n, head_dim, with_prefix, verify, monkeypatch):
+    if verify == "flash" and (dtype != torch.bfloat16 or n == 1):
+        pytest.skip("the flash verify path takes bf16 blocks only")
+    monkeypatch.setenv("VERICACHE_VERIFY_ATTENTION", verify)
     g = torch.Generator().manual_seed(n)
     total, split, hd = 1300, 100, head_dim  # with a prefix: entries [0, split) are the earlier part
     q, k, v = (torch.randn(s, generator=g) for s in [(n, 6, hd), (2, total, hd), (2, total, hd)])
@@ -245,3 +250,16 @@ def test_the_dense_kernel_masks_a_verify_block_causally(s, n):
             torch.testing.assert_close(lse.double(), exact_lse, atol=tol, rtol=1e-5 if not dp else tol)
     with pytest.raises(RuntimeError, match="block length dividing the rows"):
         mod.dense_attention(q, k, v, 0.125, causal=n + 1)
+
+
+def test_verify_blocks_take_flash_on_amx_cpus_from_ten_tokens(monkeypatch):
+    from lmcache_vericache.engine.runtime import AMX_MIN_BLOCK, _amx_block
+
+    k = torch.zeros(3, 64, 64, dtype=torch.bfloat16)
+    monkeypatch.setenv("VERICACHE_VERIFY_ATTENTION", "auto")
+    assert AMX_MIN_BLOCK == 10 and not _amx_block(k, 9) and not _amx_block(k.float(), 17)
+    assert _amx_block(k, 17) == kernels.has_amx()
+    monkeypatch.setenv("VERICACHE_VERIFY_ATTENTION", "kernel")
+    assert not _amx_block(k, 17)
+    monkeypatch.setenv("VERICACHE_VERIFY_ATTENTION", "flash")
+    assert _amx_block(k, 2) and not _amx_block(k, 1) and not _amx_block(k.float(), 17)

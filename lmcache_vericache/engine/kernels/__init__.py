@@ -46,6 +46,13 @@ def _cpu_flags() -> str:
         return ""
 
 
+@functools.cache
+def has_amx() -> bool:
+    """Whether the CPU has AMX tiles for bf16 (``amx_bf16``): oneDNN's bf16 matmuls, and so PyTorch's
+    bf16 GEMMs and CPU flash attention, run on them."""
+    return " amx_bf16" in _cpu_flags()
+
+
 def _cflags(name: str, vec_width: int | None) -> list[str]:
     return _CFLAGS + _KERNEL_CFLAGS.get(name, []) + ([f"-DVERICACHE_VEC_WIDTH={int(vec_width)}"] if vec_width else [])
 
