@@ -4,7 +4,8 @@ real prompts (the first N tokens of large Python stdlib files, one file per requ
 Per (dtype, context, batch, temperature): plain full-KV decoding in the engine's runtime (the
 baseline, once for all methods), then VeriCache with each compressor: decode tokens/s (prefill
 excluded), speed-up, whether greedy tokens are identical to the baseline's (and, where not, the
-baseline's top-1/top-2 logit margin there), tokens per round, hidden swap fraction. Median of
+baseline's top-1/top-2 logit margin there, and ``differs_only_at_ties``: true only where every
+differing request's first difference has a margin of exactly 0), tokens per round, hidden swap fraction. Median of
 ``--reps``; the baseline's repeats alternate with the first compressor's (a shared host's speed
 drifts within a cell); identity and acceptance are the last repeat's.
 
@@ -386,6 +387,8 @@ def _row(dtype, ctx, batch, m, params, temp, ref, ref_s, out, vc_s, eng, args) -
             i = next((i for i, (a, b) in enumerate(zip(o.tokens, r.tokens)) if a != b), None)
             if i is not None:
                 row["divergences"].append(dict(request=j, step=i, margin=r.margins[i]))
+        # Identical, or every difference at an exact tie of the baseline (top-1 = top-2 logit).
+        row["differs_only_at_ties"] = all(d["margin"] == 0 for d in row["divergences"])
     return row
 
 
