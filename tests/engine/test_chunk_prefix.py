@@ -136,7 +136,7 @@ def run_engine() -> dict:
 
 
 def run_smollm2() -> dict:
-    """SmolLM2 on a real 384-token prompt, int4 chunks of 128 drafted through the kernel (the
+    """SmolLM2 on a real 256-token prompt, int4 chunks of 128 drafted through the kernel (the
     batched GPU path): identical to full-KV greedy, and its acceptance beside the dense drafter's."""
     from lmcache_vericache.engine import VeriCacheEngine
     from lmcache_vericache.models import load_model
@@ -145,13 +145,13 @@ def run_smollm2() -> dict:
     from engine_helpers import real_prompts
 
     model, tok = load_model("smollm2", dtype=torch.float32)
-    prompt = real_prompts(tok, 384)["humaneval[:40]"]
-    ref = VeriCacheEngine(model, "int4", chunk_size=128).reference([prompt], 24)[0].tokens
+    prompt = real_prompts(tok, 256)["humaneval[:40]"]
+    ref = VeriCacheEngine(model, "int4", chunk_size=128).reference([prompt], 16)[0].tokens
     res = {}
     for triton_draft in (False, True):
-        eng = VeriCacheEngine(model, "int4", chunk_size=128, draft_len=8, triton_draft=triton_draft)
+        eng = VeriCacheEngine(model, "int4", chunk_size=128, draft_len=6, triton_draft=triton_draft)
         eng.rt.batched = triton_draft
-        [out] = eng.generate([prompt], 24)
+        [out] = eng.generate([prompt], 16)
         res["triton" if triton_draft else "dense"] = {"identical": out.tokens == ref,
                                                       "tokens_per_round": out.stats.mean_accepted}
     return res

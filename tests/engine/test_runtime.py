@@ -101,15 +101,13 @@ def _masked_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 # the token or block, 3-120 rows per KV head; 16: flash), in fp32 and bf16, with and without an
 # earlier part merged by log-sum-exp (a draft cache's packed prefix); bf16 verify blocks also through
 # the masked flash call AMX CPUs take (VERICACHE_VERIFY_ATTENTION=flash forces it on any CPU).
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype, tol, verify", [(torch.float32, 1e-5, "kernel"), (torch.bfloat16, 2e-2, "kernel"),
+                                                (torch.bfloat16, 2e-2, "flash")])
 @pytest.mark.parametrize("n", [1, 7, 17, 40])
 @pytest.mark.parametrize("head_dim", [16, 64])
 @pytest.mark.parametrize("with_prefix", [False, True])
-@pytest.mark.parametrize("verify", ["kernel", "flash"])
-def test_block_attention_equals_masked_softmax(dtype, tol, n, head_dim, with_prefix, verify, monkeypatch):
-    if verify == "flash" and (dtype != torch.bfloat16 or n == 1):
-        pytest.skip("the flash verify path takes bf16 blocks only")
-    monkeypatch.setenv("VERICACHE_VERIFY_ATTENTION", verify)
+def test_block_attention_equals_masked_softmax(dtype, tol, verify, n, head_dim, with_prefix, monkeypatch):
+    monkeypatch.setenv("VERICACHE_VERIFY_ATTENTION", verify)  # a decode step (n = 1) never takes flash
     g = torch.Generator().manual_seed(n)
     total, split, hd = 1300, 100, head_dim  # with a prefix: entries [0, split) are the earlier part
     q, k, v = (torch.randn(s, generator=g) for s in [(n, 6, hd), (2, total, hd), (2, total, hd)])
