@@ -55,13 +55,7 @@ def kernel_format(compressor: KVCompressor, heads: int, chunk_size: int, head_di
     if not triton_attention.available():
         raise ValueError("the Triton kernels need triton and a CUDA device (or TRITON_INTERPRET=1)")
     fmt = describe(compressor, heads, chunk_size, head_dim, dtype)
-    if head_dim < 16 or head_dim & (head_dim - 1):
-        raise ValueError(f"the Triton kernels take head sizes that are powers of 2 >= 16, not {head_dim}")
-    bad = [s.bits for s in (fmt.k, fmt.v) if s.bits not in triton_attention.BITS]
-    if bad:
-        raise ValueError(f"the Triton kernels read codes of {triton_attention.BITS} bits, not {bad}")
-    if dtype not in triton_attention.DTYPES:
-        raise ValueError(f"the Triton kernels take {triton_attention.DTYPES}, not {dtype}")
+    triton_attention.check_format(fmt)
     return fmt
 
 
@@ -78,7 +72,7 @@ class ChunkArena:
         self.device = torch.device(device)
         # The codebook and rotation (TurboQuant) on the device once, not copied from the host per call.
         self.fmt = dataclasses.replace(fmt, k=_on(fmt.k, self.device), v=_on(fmt.v, self.device))
-        self.pools = [ChunkPool.empty(fmt, 0, self.device) for _ in range(layers)]
+        self.pools = [ChunkPool.empty(self.fmt, 0, self.device) for _ in range(layers)]  # the kernels read pool.fmt
         self.refs: list[int] = []
         self._free: list[int] = []  # popped from the end (new slots lowest first)
         self._charge = charge

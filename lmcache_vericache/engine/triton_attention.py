@@ -154,6 +154,19 @@ def launch(q: Tensor, pool: ChunkPool, table: Tensor, lengths: Tensor, scale: fl
     return grid, args, const
 
 
+def check_format(fmt: KVFormat) -> None:
+    """``ValueError`` where the kernels cannot read ``fmt``: a head size that is not a power of 2
+    >= 16, a code width other than :data:`BITS`, a dtype other than :data:`DTYPES`."""
+    d = fmt.head_dim
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"head_dim must be a power of 2 >= 16 for the Triton kernels, got {d}")
+    bad = [s.bits for s in (fmt.k, fmt.v) if s.bits not in BITS]
+    if bad:
+        raise ValueError(f"the Triton kernels read codes of {BITS} bits, the {fmt.method} format has {bad}")
+    if fmt.dtype not in DTYPES:
+        raise ValueError(f"the Triton kernels take {DTYPES}, not {fmt.dtype}")
+
+
 def default_splits(b: int, h: int, m: int, chunks: int, device: torch.device) -> int:
     """Splits when the caller gives none: the fewest (a power of 2) that make the programs
     (requests x KV heads x row blocks x splits) at least 2 per SM of ``device``, so every SM has
@@ -190,9 +203,7 @@ def attention(q: Tensor, pool: ChunkPool, table: Tensor, lengths: Tensor, scale:
         raise ValueError(f"q must be [B, {fmt.heads}, M, {fmt.head_dim}], got {tuple(q.shape)}")
     if q.dtype not in DTYPES:
         raise ValueError(f"q dtype must be one of {DTYPES}, got {q.dtype}")
-    d = fmt.head_dim
-    if d < 16 or d & (d - 1):
-        raise ValueError(f"head_dim must be a power of 2 >= 16 for the Triton kernels, got {d}")
+    check_format(fmt)
     if tile < 16 or tile & (tile - 1):
         raise ValueError(f"tile must be a power of 2 >= 16, got {tile}")
     if splits is not None and (not isinstance(splits, int) or splits < 1):
@@ -201,9 +212,6 @@ def attention(q: Tensor, pool: ChunkPool, table: Tensor, lengths: Tensor, scale:
         raise ValueError(f"num_warps must be 2, 4 or 8, got {num_warps!r}")
     if num_stages not in (None, 1, 2, 3, 4):
         raise ValueError(f"num_stages must be 1, 2, 3 or 4, got {num_stages!r}")
-    bad = [s.bits for s in (fmt.k, fmt.v) if s.bits not in BITS]
-    if bad:
-        raise ValueError(f"the Triton kernels read codes of {BITS} bits, the {fmt.method} format has {bad}")
     b, h, m, _ = q.shape
     if table.dtype != torch.int32 or table.dim() != 2 or table.shape[0] != b:
         raise ValueError(f"table must be int32 [{b}, max_chunks], got {table.dtype} {tuple(table.shape)}")

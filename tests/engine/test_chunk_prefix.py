@@ -303,8 +303,10 @@ def test_arena_slots_are_reference_counted_reused_and_grown_within_the_charge():
     del b  # garbage-collected: its slots come back, and are reused before the arena grows
     a.append(chunks[9:])
     assert arena.capacity == 9 and len(a.slots) == 2 and sum(arena.refs) == 2
-    # The slot's contents are the chunk's buffers as stored.
+    # The slot's contents are the chunk's buffers as stored; the pools (what the kernels read) carry
+    # the arena's format, whose codebook and rotation are on the arena's device.
     fmt = arena.fmt
+    assert all(pool.fmt is fmt for pool in arena.pools)
     want = fmt.buffers(chunks[9], 1)[fmt.k.codes].reshape(-1)
     assert torch.equal(arena.pools[1].k["codes"][a.slots[1]], want)
 
