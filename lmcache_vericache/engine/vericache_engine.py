@@ -32,6 +32,7 @@ import torch
 from .. import compressors
 from ..backends import DualTierStore, StoreConfig
 from ..backends.keys import KeySpace, model_fingerprint
+from ..compressors.formats import KVFormat
 from . import int8_attention, lossy
 from .admission import Admission, Batch, Prompts
 from .chunk_prefix import ChunkArena, ChunkPrefix, kernel_format
@@ -124,9 +125,10 @@ class VeriCacheEngine:
         self.int8_draft = self._int8_draft(False if triton_draft and int8_draft is None else int8_draft)
         if triton_draft and kvfetch is not None:
             raise ValueError("triton_draft: a KVFetch drafter (kvfetch_draft or mode 'verkv') attends its own prefix")
-        self.triton_draft = kvfetch is None and self._triton_draft(triton_draft, chunk_size)
+        triton_format = self._triton_format(triton_draft, chunk_size) if kvfetch is None else None
+        self.triton_draft = triton_format is not None
         self.prefiller = Prefiller(self.rt, self.store, self.compressor, chunk_size, query_window, draft_room,
-                                   self.key_space, self._draft_prefix(chunk_size) if kvfetch is None else None,
+                                   self.key_space, self._draft_prefix(triton_format) if kvfetch is None else None,
                                    kvfetch)
         self.admission = Admission(self.rt, self.config, self.prefiller, self.key_space, self.store, self.eos_ids,
                                    verkv=self.mode == "verkv")
@@ -150,29 +152,27 @@ class VeriCacheEngine:
             return False
         return True
 
-    def _triton_draft(self, wanted: bool | None, chunk_size: int) -> bool:
-        """Whether draft caches keep their prefix as stored chunks for the Triton kernels. Auto
-        (``None``): on CUDA, where the kernels read the compressor's format (not where the CPU int8
-        kernel already does)."""
+    def _triton_format(self, wanted: bool | None, chunk_size: int) -> KVFormat | None:
+        """The chunks' format where draft caches keep their prefix as stored chunks for the Triton
+        kernels, else ``None``. Auto (``wanted=None``): on CUDA, where the kernels read the
+        compressor's format (not where the CPU int8 kernel already does)."""
         if wanted is False or (wanted is None and (self.rt.device.type != "cuda" or self.int8_draft)):
-            return False
+            return None
         rt = self.rt
         try:
-            kernel_format(self.compressor, rt.num_kv_heads, chunk_size, rt.head_dim, rt.dtype)
+            return kernel_format(self.compressor, rt.num_kv_heads, chunk_size, rt.head_dim, rt.dtype)
         except ValueError as e:
             if wanted:
                 raise ValueError(f"triton_draft: {e}") from None
-            return False
-        return True
+            return None
 
-    def _draft_prefix(self, chunk_size: int) -> Callable[[], Int8Prefix | ChunkPrefix] | None:
+    def _draft_prefix(self, triton_format: KVFormat | None) -> Callable[[], Int8Prefix | ChunkPrefix] | None:
         """What makes a new draft cache's packed prefix (``None``: dense draft caches)."""
         rt = self.rt
         if self.int8_draft:
             return lambda: Int8Prefix.empty(rt.num_layers, rt.num_kv_heads, rt.head_dim)
-        if self.triton_draft:
-            fmt = kernel_format(self.compressor, rt.num_kv_heads, chunk_size, rt.head_dim, rt.dtype)
-            arena = ChunkArena(fmt, rt.num_layers, rt.device)  # every request's chunks, one pool per layer
+        if triton_format is not None:
+            arena = ChunkArena(triton_format, rt.num_layers, rt.device)  # every request's chunks, a pool per layer
             return lambda: ChunkPrefix(arena)
         return None
 
