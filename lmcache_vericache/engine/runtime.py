@@ -87,9 +87,10 @@ AMX_MIN_BLOCK = 10
 
 
 def _amx_block(k: Tensor, n: int) -> bool:
-    """Whether a verify block of ``n`` tokens over bf16 ``k`` goes to PyTorch's flash kernel: on a
-    CPU with ``amx_bf16`` from ``AMX_MIN_BLOCK`` tokens. ``VERICACHE_VERIFY_ATTENTION`` (for A/B
-    runs): ``kernel`` always the dense kernel, ``flash`` flash for every block on any CPU."""
+    """Whether a verify block of ``n`` tokens over bf16 ``k`` that the dense kernel takes goes to
+    PyTorch's flash kernel instead: on a CPU with ``amx_bf16`` from ``AMX_MIN_BLOCK`` tokens. Longer
+    blocks (a prefill's) keep their own path. ``VERICACHE_VERIFY_ATTENTION`` (for A/B runs):
+    ``kernel`` always the dense kernel, ``flash`` flash for every such block on any CPU."""
     if n < 2 or k.dtype != torch.bfloat16 or k.device.type != "cpu":
         return False
     choice = os.environ.get("VERICACHE_VERIFY_ATTENTION", "auto")
@@ -128,11 +129,11 @@ def attend(q: Tensor, k: Tensor, v: Tensor, n: int, scale: float,
             out, lse = _merge(out.float(), lse, *prefix)
         return out.to(v.dtype).reshape(1, hkv * g * d)
     rows = qh.reshape(hkv, g * n, d)
-    if _amx_block(k, n):
-        out, lse_b = _flash_block(rows, k, v, n, scale)
-        out, lse_b = out.view(hkv, g, n, d), lse_b.view(hkv, g, n)
-    elif (mod := _dense_kernel(rows, k)) is not None:  # the entries before the block and its causal part in one pass
-        out, lse_b = mod.dense_attention(rows.float().contiguous(), k, v, scale, causal=n)
+    mod = _dense_kernel(rows, k)
+    if mod is not None:  # the entries before the block and its causal part in one call
+        # (where the dense kernel takes a block, AMX CPUs may take flash instead: what was measured)
+        out, lse_b = (_flash_block(rows, k, v, n, scale) if _amx_block(k, n)
+                      else mod.dense_attention(rows.float().contiguous(), k, v, scale, causal=n))
         out, lse_b = out.view(hkv, g, n, d), lse_b.view(hkv, g, n)
     else:
         past = total - n
