@@ -37,6 +37,8 @@ def _paths(mod, q: torch.Tensor, dtype: torch.dtype, scale: float) -> dict[str, 
              "kernel_fp32": partial(mod.dense_attention, q, scale=scale, dpbf16=False)}
     if dtype == torch.bfloat16 and mod.dpbf16:
         paths["kernel_dpbf16"] = partial(mod.dense_attention, q, scale=scale, dpbf16=True)
+    if dtype == torch.bfloat16 and mod.amx:
+        paths["kernel_amx"] = partial(mod.dense_attention, q, scale=scale, amx=True)
     return paths
 
 

@@ -62,7 +62,8 @@ from roofline import measure_rates, model_shape
 from lmcache_vericache import compressors
 from lmcache_vericache.backends import DualTierStore
 from lmcache_vericache.data import stdlib_source
-from lmcache_vericache.engine import Sampling, Segment, VeriCacheEngine
+from lmcache_vericache.engine import Sampling, Segment, VeriCacheEngine, kernels
+from lmcache_vericache.engine.runtime import ATTENTION_PATHS
 from lmcache_vericache.engine.horizon import Horizon, fit_verify, rate
 from lmcache_vericache.engine.lossy import loops
 from lmcache_vericache.models import ensure_smollm2, load_model
@@ -235,12 +236,15 @@ def main() -> None:
     ap.add_argument("--full", action="store_true", help="2k/4k/8k, batch 1/8, fp32/bf16, every method")
     ap.add_argument("--grid", action="store_true",
                     help="1k/2k/4k/8k x batch 1/2/4/8/16, bf16 + fp32, int8, no step costs or acceptance")
-    ap.add_argument("--verify-attention", default="auto", choices=["auto", "kernel", "flash"],
-                    help="bf16 verify blocks' attention: auto (PyTorch flash on AMX CPUs, else the dense "
-                         "kernel), or either on any CPU (A/B runs)")
+    ap.add_argument("--attention", default="auto", choices=list(ATTENTION_PATHS),
+                    help="bf16 attention over the full KV (engine/runtime.py attention_path): auto (the dense "
+                         "kernel's AMX tiles where the CPU has them, else its AVX path), amx, kernel (the AVX "
+                         "path), flash (PyTorch's, verify blocks only): A/B runs")
     ap.add_argument("--name", default="decode")
     args = ap.parse_args()
-    os.environ["VERICACHE_VERIFY_ATTENTION"] = args.verify_attention  # read by the runtime per block
+    os.environ["VERICACHE_ATTENTION"] = args.attention  # read by the runtime per call
+    if args.attention == "amx" and not getattr(kernels.build("dense_attention"), "amx", False):
+        ap.error("--attention amx: this CPU (or the OS, or a missing compiler) gives no AMX tiles")
     if args.full:
         args.contexts, args.batches, args.dtypes = "2048,4096,8192", "1,8", "float32,bfloat16"
         args.compressors = ",".join(compressors.available())
@@ -356,7 +360,7 @@ def main() -> None:
                   f"{' (loops)' if a['greedy_loops'] else ''}  sampled {a['sampled_t08']:5.1f}  teacher-forced {tf:5.1f}",
                   flush=True)
     OUT.mkdir(exist_ok=True)
-    meta = dict(**machine_info(), verify_attention=args.verify_attention, limits=rates, new_tokens=args.new_tokens, draft_len=args.draft_len, prefix=args.prefix,
+    meta = dict(**machine_info(), attention=args.attention, limits=rates, new_tokens=args.new_tokens, draft_len=args.draft_len, prefix=args.prefix,
                 source=args.source, full_kv=args.full_kv, reps=args.reps, step_reps=args.step_reps, stagger=args.stagger)
     (OUT / f"{args.name}.json").write_text(json.dumps(dict(meta=meta, throughput=rows, acceptance=accept_rows), indent=1))
     _plot(rows, OUT / f"{args.name}.png")

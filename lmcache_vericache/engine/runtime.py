@@ -73,30 +73,34 @@ def _dense_kernel(q: Tensor, k: Tensor):
 
 def _dense_lse(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """:func:`_flash_lse` of query rows over dense entries (a decode token's GQA group): the dense
-    kernel where it applies, flash otherwise."""
+    kernel where it applies (on its AMX tiles where :func:`attention_path` says so), flash otherwise."""
     if (mod := _dense_kernel(q, k)) is not None:
-        return tuple(mod.dense_attention(q.float().contiguous(), k, v, scale))  # type: ignore[return-value]
+        amx = attention_path(mod, k, 1) == "amx"
+        return tuple(mod.dense_attention(q.float().contiguous(), k, v, scale, amx=amx))  # type: ignore[return-value]
     return _flash_lse(q, k, v, scale)
 
 
-# A verify block with at least this many tokens goes to PyTorch's flash kernel on AMX CPUs in bf16
-# (_amx_block): its bf16 matmuls run on AMX tiles. Measured per layer over 8k DRAM-resident entries
-# (SmolLM2's shape, 2-core Xeon with AMX): 5 tokens 1.00 ms dense kernel / 1.14 ms flash, 9 tokens
-# 1.58 / 1.53, 17 tokens 2.71 / 1.90.
-AMX_MIN_BLOCK = 10
+ATTENTION_PATHS = ("auto", "amx", "kernel", "flash")
 
 
-def _amx_block(k: Tensor, n: int) -> bool:
-    """Whether a verify block of ``n`` tokens over bf16 ``k`` that the dense kernel takes goes to
-    PyTorch's flash kernel instead: on a CPU with ``amx_bf16`` from ``AMX_MIN_BLOCK`` tokens. Longer
-    blocks (a prefill's) keep their own path. ``VERICACHE_VERIFY_ATTENTION`` (for A/B runs):
-    ``kernel`` always the dense kernel, ``flash`` flash for every such block on any CPU."""
-    if n < 2 or k.dtype != torch.bfloat16 or k.device.type != "cpu":
-        return False
-    choice = os.environ.get("VERICACHE_VERIFY_ATTENTION", "auto")
-    if choice != "auto":
-        return choice == "flash"
-    return n >= AMX_MIN_BLOCK and kernels.has_amx()
+def attention_path(mod, k: Tensor, n: int) -> str:
+    """How the dense kernel's module ``mod`` attends ``n`` tokens' rows (1: a decode step) over ``k``:
+    ``amx`` (its AMX tile path: bf16 caches on CPUs with ``amx_bf16``, the default there), ``kernel``
+    (its AVX-512 / AVX2 path) or ``flash`` (PyTorch's CPU flash kernel; verify blocks only).
+    Measured per layer over 8k DRAM-resident bf16 entries (SmolLM2's shape, 2-core Xeon with AMX,
+    ``benchmarks/attention.py``): 1 token 0.33 ms tiles / 0.44 ms AVX-512-BF16 / 0.83 ms flash, 5
+    tokens 0.41 / 0.67 / 0.96, 17 tokens 1.03 / 2.28 / 1.50. ``VERICACHE_ATTENTION`` (A/B runs)
+    overrides ``auto``; ``amx`` where the tiles are missing is an error."""
+    choice = os.environ.get("VERICACHE_ATTENTION", "auto")
+    if choice not in ATTENTION_PATHS:
+        raise ValueError(f"VERICACHE_ATTENTION must be one of {', '.join(ATTENTION_PATHS)}, got {choice!r}")
+    if k.dtype != torch.bfloat16:
+        return "kernel"
+    if choice == "amx" and not mod.amx:
+        raise ValueError("VERICACHE_ATTENTION=amx: this CPU (or the OS) gives no AMX tiles")
+    if choice == "auto":
+        return "amx" if mod.amx else "kernel"
+    return "kernel" if choice == "flash" and n == 1 else choice
 
 
 def _flash_block(rows: Tensor, k: Tensor, v: Tensor, n: int, scale: float) -> tuple[Tensor, Tensor]:
@@ -131,9 +135,9 @@ def attend(q: Tensor, k: Tensor, v: Tensor, n: int, scale: float,
     rows = qh.reshape(hkv, g * n, d)
     mod = _dense_kernel(rows, k)
     if mod is not None:  # the entries before the block and its causal part in one call
-        # (where the dense kernel takes a block, AMX CPUs may take flash instead: what was measured)
-        out, lse_b = (_flash_block(rows, k, v, n, scale) if _amx_block(k, n)
-                      else mod.dense_attention(rows.float().contiguous(), k, v, scale, causal=n))
+        path = attention_path(mod, k, n)
+        out, lse_b = (_flash_block(rows, k, v, n, scale) if path == "flash" else
+                      mod.dense_attention(rows.float().contiguous(), k, v, scale, causal=n, amx=path == "amx"))
         out, lse_b = out.view(hkv, g, n, d), lse_b.view(hkv, g, n)
     else:
         past = total - n

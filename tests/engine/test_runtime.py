@@ -99,15 +99,17 @@ def _masked_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 # A decode step (n = 1) and verify blocks (head size 64: the dense C++ kernel for the entries before
 # the token or block, 3-120 rows per KV head; 16: flash), in fp32 and bf16, with and without an
-# earlier part merged by log-sum-exp (a draft cache's packed prefix); bf16 verify blocks also through
-# the masked flash call AMX CPUs take (VERICACHE_VERIFY_ATTENTION=flash forces it on any CPU).
+# earlier part merged by log-sum-exp (a draft cache's packed prefix); bf16 also through the kernel's
+# AMX tiles (AMX CPUs' default) and the masked flash call (VERICACHE_ATTENTION forces either).
 @pytest.mark.parametrize("dtype, tol, verify", [(torch.float32, 1e-5, "kernel"), (torch.bfloat16, 2e-2, "kernel"),
-                                                (torch.bfloat16, 2e-2, "flash")])
+                                                (torch.bfloat16, 2e-2, "flash"), (torch.bfloat16, 2e-2, "amx")])
 @pytest.mark.parametrize("n", [1, 7, 17, 40])
 @pytest.mark.parametrize("head_dim", [16, 64])
 @pytest.mark.parametrize("with_prefix", [False, True])
 def test_block_attention_equals_masked_softmax(dtype, tol, verify, n, head_dim, with_prefix, monkeypatch):
-    monkeypatch.setenv("VERICACHE_VERIFY_ATTENTION", verify)  # a decode step (n = 1) never takes flash
+    if verify == "amx" and not getattr(kernels.build("dense_attention"), "amx", False):
+        pytest.skip("no AMX tiles on this CPU")
+    monkeypatch.setenv("VERICACHE_ATTENTION", verify)  # a decode step (n = 1) never takes flash
     g = torch.Generator().manual_seed(n)
     total, split, hd = 1300, 100, head_dim  # with a prefix: entries [0, split) are the earlier part
     q, k, v = (torch.randn(s, generator=g) for s in [(n, 6, hd), (2, total, hd), (2, total, hd)])
@@ -250,14 +252,78 @@ def test_the_dense_kernel_masks_a_verify_block_causally(s, n):
         mod.dense_attention(q, k, v, 0.125, causal=n + 1)
 
 
-def test_verify_blocks_take_flash_on_amx_cpus_from_ten_tokens(monkeypatch):
-    from lmcache_vericache.engine.runtime import AMX_MIN_BLOCK, _amx_block
+def test_the_attention_path_follows_the_cpu_and_the_override(monkeypatch):
+    """auto: the AMX tiles for bf16 where the kernel has them (decode steps and verify blocks), the
+    AVX path otherwise and for fp32; VERICACHE_ATTENTION forces a path for A/B runs (flash only for
+    verify blocks), an unknown one or amx without tiles is an error."""
+    from lmcache_vericache.engine.runtime import attention_path
 
+    mod = kernels.build("dense_attention")
     k = torch.zeros(3, 64, 64, dtype=torch.bfloat16)
-    monkeypatch.setenv("VERICACHE_VERIFY_ATTENTION", "auto")
-    assert AMX_MIN_BLOCK == 10 and not _amx_block(k, 9) and not _amx_block(k.float(), 17)
-    assert _amx_block(k, 17) == kernels.has_amx()
-    monkeypatch.setenv("VERICACHE_VERIFY_ATTENTION", "kernel")
-    assert not _amx_block(k, 17)
-    monkeypatch.setenv("VERICACHE_VERIFY_ATTENTION", "flash")
-    assert _amx_block(k, 2) and not _amx_block(k, 1) and not _amx_block(k.float(), 17)
+    monkeypatch.setenv("VERICACHE_ATTENTION", "auto")
+    tiles = "amx" if mod.amx else "kernel"
+    assert attention_path(mod, k, 1) == attention_path(mod, k, 17) == tiles and attention_path(mod, k.float(), 17) == "kernel"
+    assert mod.amx == (kernels.has_amx() and mod.amx)  # tiles only where the CPU reports them
+    monkeypatch.setenv("VERICACHE_ATTENTION", "kernel")
+    assert attention_path(mod, k, 17) == "kernel"
+    monkeypatch.setenv("VERICACHE_ATTENTION", "flash")
+    assert attention_path(mod, k, 2) == "flash" and attention_path(mod, k, 1) == "kernel"
+    monkeypatch.setenv("VERICACHE_ATTENTION", "tiles")
+    with pytest.raises(ValueError, match="one of auto, amx, kernel, flash"):
+        attention_path(mod, k, 1)
+    if not mod.amx:
+        monkeypatch.setenv("VERICACHE_ATTENTION", "amx")
+        with pytest.raises(ValueError, match="no AMX tiles"):
+            attention_path(mod, k, 1)
+
+
+_needs_amx = pytest.mark.skipif(not getattr(kernels.build("dense_attention"), "amx", False),
+                                reason="no AMX tiles on this CPU (or no compiler)")
+
+
+@_needs_amx
+@pytest.mark.parametrize("s,rows,n,d", [(8201, 51, 17, 64), (1030, 51, 17, 64), (517, 15, 5, 64), (40, 120, 40, 64),
+                                        (1500, 3, 0, 64), (600, 128, 0, 128), (33, 33, 11, 128), (700, 3, 1, 64)])
+def test_the_amx_path_equals_the_avx512_bf16_numerics(s, rows, n, d):
+    """The tile path (amx.h) computes what the vdpbf16ps path does (q and probabilities rounded to
+    bf16, fp32 sums): apart only where a probability rounds to the neighbouring bf16 (the scale is
+    applied in another order), and no further from float64 than
+    it is, across tile edges (lengths no 16 / 32 / 512 divides), causal blocks (a block alone in the
+    last tile; rows masked out of whole tiles), row counts no 16 divides, head sizes 64 and 128."""
+    mod = kernels.build("dense_attention")
+    g = torch.Generator().manual_seed(s + rows)
+    q = torch.randn(3, rows, d, generator=g).bfloat16().float()
+    k, v = (torch.randn(3, s, d, generator=g).bfloat16() for _ in range(2))
+    pos = (torch.arange(rows) % n + (s - n)) if n else torch.full((rows,), s - 1)
+    scores = (q.double() @ k.double().transpose(-1, -2) * d ** -0.5).masked_fill(
+        torch.arange(s)[None, :] > pos[:, None], float("-inf"))
+    exact_lse = scores.logsumexp(-1)
+    exact = (scores - exact_lse[..., None]).exp() @ v.double()
+    out, lse = mod.dense_attention(q, k, v, d ** -0.5, causal=n, amx=True)
+    dp_out, dp_lse = mod.dense_attention(q, k, v, d ** -0.5, causal=n, dpbf16=True)
+    torch.testing.assert_close(out, dp_out, atol=5e-4, rtol=1e-2)
+    torch.testing.assert_close(lse, dp_lse, atol=2e-6, rtol=1e-6)
+    assert (out.double() - exact).abs().max() <= 1.05 * (dp_out.double() - exact).abs().max() + 1e-6
+    with pytest.raises(RuntimeError, match="at most 128 rows"):
+        mod.dense_attention(torch.randn(3, 129, d), k, v, 0.125, amx=True)
+
+
+@_needs_amx
+def test_a_verify_rows_attention_on_the_tiles_equals_its_decode_step_bit_for_bit():
+    """On the tiles a row's result does not depend on the rows beside it nor on masked entries
+    after it: a verify block's row i equals the decode step of the same token (same q, the entries
+    up to its own) exactly, so verify and plain decoding agree on attention (their linear layers
+    may still round differently)."""
+    mod = kernels.build("dense_attention")
+    g = torch.Generator().manual_seed(5)
+    s, n = 8193, 17
+    q = torch.randn(3, 3 * n, 64, generator=g).bfloat16().float()  # row j*n + i: member j, token i
+    k, v = (torch.randn(3, s, 64, generator=g).bfloat16() for _ in range(2))
+    out, lse = mod.dense_attention(q, k, v, 0.125, causal=n, amx=True)
+    for i in (0, 7, 16):
+        rows = q.view(3, 3, n, 64)[:, :, i]  # the GQA group of token i: [3, 3, 64]
+        e = s - n + i + 1  # the entries token i sees
+        step, step_lse = mod.dense_attention(rows.contiguous(), k[:, :e], v[:, :e], 0.125, amx=True)
+        assert torch.equal(step, out.view(3, 3, n, 64)[:, :, i]) and torch.equal(step_lse, lse.view(3, 3, n)[:, :, i])
+
+

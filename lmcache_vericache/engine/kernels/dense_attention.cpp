@@ -13,9 +13,12 @@
 // (vdpbf16ps, fp32 accumulation) straight from the cache's bytes, with q and the probabilities
 // rounded to bf16 as a bf16 flash kernel does (q of a bf16 model is bf16 already: the scale is
 // applied to the fp32 scores). Elsewhere, and for fp32 caches, tile converts to fp32 and uses FMAs.
+// On CPUs with AMX, amx = true takes tile_amx (amx.h) instead: the same numerics as tile_dp, its
+// matrix products on the tiles (a verify block's many rows; a decode step's 3 rows waste them).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "amx.h"
 #include "common.h"
 
 #include <algorithm>
@@ -319,16 +322,23 @@ void tile_dp(const uint32_t* __restrict__ qp, int64_t m, int64_t mp, const at::B
 
 template <typename T, int D>
 std::vector<torch::Tensor> run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, float scale,
-                               bool use_dp, int64_t causal) {
+                               bool use_dp, bool use_amx, int64_t causal) {
   const int64_t H = q.size(0), m = q.size(1), S = k.size(1);
   const int64_t mp = (m + kRows - 1) / kRows * kRows;  // rows padded to whole score vectors
   const int64_t tiles = (S + kTile - 1) / kTile;
-  const bool dp = VERICACHE_DPBF16 && std::is_same_v<T, at::BFloat16> && use_dp;
+  const bool amx = VERICACHE_AMX && std::is_same_v<T, at::BFloat16> && use_amx;
+  const bool dp = !amx && VERICACHE_DPBF16 && std::is_same_v<T, at::BFloat16> && use_dp;
   const float* qp = q.data_ptr<float>();
+  // amx: q as bf16 rows [H, mp, D], zero-padded, unscaled
+  std::vector<uint16_t> qrows(amx ? static_cast<size_t>(H * mp * D) : 0, 0);
+  if (amx)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < m; ++i)
+        for (int d = 0; d < D; ++d) qrows[(h * mp + i) * D + d] = bf16_bits(qp[(h * m + i) * D + d]);
   // q transposed to [H, D, mp], zero-padded: fp32 and scaled, or (dp) bf16 pairs [H, D/2, mp], unscaled
-  std::vector<float> qt(dp ? 0 : static_cast<size_t>(H * D * mp), 0.f);
+  std::vector<float> qt(dp || amx ? 0 : static_cast<size_t>(H * D * mp), 0.f);
   std::vector<uint32_t> qpairs(dp ? static_cast<size_t>(H * D / 2 * mp) : 0, 0u);
-  for (int64_t h = 0; h < H; ++h)
+  for (int64_t h = 0; h < H && !amx; ++h)
     for (int64_t i = 0; i < m; ++i)
       for (int d = 0; d < D; ++d) {
         const float x = qp[(h * m + i) * D + d];
@@ -344,6 +354,24 @@ std::vector<torch::Tensor> run(const torch::Tensor& q, const torch::Tensor& k, c
   const T* vp = v.data_ptr<T>();
   const int64_t ks = k.stride(0), vs = v.stride(0);
   at::parallel_for(0, H * tiles, 1, [&](int64_t begin, int64_t end) {
+#if VERICACHE_AMX
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      if (amx) {
+        vericache::amx_configure();
+        vericache::AmxScratch scratch(kTile, mp, D);
+        const auto* kb = reinterpret_cast<const uint16_t*>(kp);
+        const auto* vb = reinterpret_cast<const uint16_t*>(vp);
+        for (int64_t w = begin; w < end; ++w) {
+          const int64_t h = w / tiles, t0 = (w % tiles) * kTile, nt = std::min(kTile, S - t0);
+          vericache::tile_amx<D>(qrows.data() + h * mp * D, m, mp, kb + h * ks + t0 * D, vb + h * vs + t0 * D, nt,
+                                 S - causal - t0, causal, scale, scratch, part_mx.data() + w * mp,
+                                 part_sum.data() + w * mp, part_o.data() + w * m * D);
+        }
+        _tile_release();
+        return;
+      }
+    }
+#endif
     std::vector<float> s(static_cast<size_t>(kTile * mp + kPvRows));  // + the slack pv_rows may read
     std::vector<uint32_t> p(dp ? static_cast<size_t>(kTile / 2 * mp) : 0);
     for (int64_t w = begin; w < end; ++w) {
@@ -389,10 +417,18 @@ std::vector<torch::Tensor> run(const torch::Tensor& q, const torch::Tensor& k, c
   return {out, lse};
 }
 
+bool amx_ready() {
+#if VERICACHE_AMX
+  return vericache::amx_permitted();
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 std::vector<torch::Tensor> dense_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, bool dpbf16,
-                                           int64_t causal) {
+                                           int64_t causal, bool amx) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && q.is_contiguous() && q.dim() == 3, "q must be contiguous float32 [H, m, D]");
   TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() && k.dtype() == v.dtype(), "k, v must be [H, S, D] alike");
   const int64_t H = q.size(0), D = q.size(2);
@@ -401,20 +437,24 @@ std::vector<torch::Tensor> dense_attention(torch::Tensor q, torch::Tensor k, tor
               "k, v must have contiguous tokens of D elements");
   TORCH_CHECK(causal >= 0 && causal <= k.size(1) && (causal == 0 || q.size(1) % causal == 0),
               "causal must be a block length dividing the rows (GQA group x block tokens), got ", causal);
+  TORCH_CHECK(!amx || (amx_ready() && k.dtype() == torch::kBFloat16 && q.size(1) <= 128),
+              "amx: a bf16 cache, at most 128 rows per KV head, on a CPU (and build) with AMX tiles");
   const float sc = static_cast<float>(scale);
   if (k.dtype() == torch::kBFloat16) {
-    if (D == 64) return run<at::BFloat16, 64>(q, k, v, sc, dpbf16, causal);
-    if (D == 128) return run<at::BFloat16, 128>(q, k, v, sc, dpbf16, causal);
+    if (D == 64) return run<at::BFloat16, 64>(q, k, v, sc, dpbf16, amx, causal);
+    if (D == 128) return run<at::BFloat16, 128>(q, k, v, sc, dpbf16, amx, causal);
   } else if (k.dtype() == torch::kFloat32) {
-    if (D == 64) return run<float, 64>(q, k, v, sc, false, causal);
-    if (D == 128) return run<float, 128>(q, k, v, sc, false, causal);
+    if (D == 64) return run<float, 64>(q, k, v, sc, false, false, causal);
+    if (D == 128) return run<float, 128>(q, k, v, sc, false, false, causal);
   }
   TORCH_CHECK(false, "dense_attention: bf16 / fp32 with head size 64 or 128 only");
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // amx: built with the tile instructions and the OS grants this process the tile state
   m.def("dense_attention", &dense_attention, "attention of a block of query rows over a dense KV cache",
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("dpbf16") = true, py::arg("causal") = 0);
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("dpbf16") = true, py::arg("causal") = 0, py::arg("amx") = false);
+  m.attr("amx") = amx_ready();
   m.attr("dpbf16") = static_cast<bool>(VERICACHE_DPBF16);
   m.attr("vec_width") = kW;  // floats per vector this build uses  // bf16 caches can use vdpbf16ps (tile_dp)
 }
