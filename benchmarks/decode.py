@@ -63,8 +63,8 @@ from lmcache_vericache import compressors
 from lmcache_vericache.backends import DualTierStore
 from lmcache_vericache.data import stdlib_source
 from lmcache_vericache.engine import Sampling, Segment, VeriCacheEngine, kernels
+from lmcache_vericache.engine.horizon import best, predict, rate
 from lmcache_vericache.engine.runtime import ATTENTION_PATHS
-from lmcache_vericache.engine.horizon import Horizon, fit_verify, rate
 from lmcache_vericache.engine.lossy import loops
 from lmcache_vericache.models import ensure_smollm2, load_model
 
@@ -182,25 +182,39 @@ def parse_methods(spec: str) -> list[tuple[str, dict]]:
 
 def speedup_bound(costs: dict, stats: list) -> dict:
     """What the measured step costs allow: with a draft step of ``r`` full steps, a verify of ``L + 1``
-    tokens costing ``v0 + v1 (L + 1)`` full steps (fitted to the measured blocks) and per-token
-    acceptance ``a``, a round emits ``E(L) = 1 + a + ... + a^L`` tokens for ``L r + v0 + v1 (L + 1)``
-    full steps. Returns the best such speed-up over L <= 32 (the verify fit covers 5-17 tokens; longer
-    would extrapolate further) at the run's measured ``a`` and with every draft accepted (``a = 1``),
+    tokens costing ``v(L + 1)`` full steps and per-token acceptance ``a``, a round emits ``E(L) = 1 +
+    a + ... + a^L`` tokens for ``L r + v(L + 1)`` full steps. ``v`` is predicted from the measured
+    blocks (5, 9, 17 tokens) as the engine's horizon predicts it (``horizon.predict``: between two
+    measured sizes the line between them, past 17 tokens the line through 9 and 17). Returns the best
+    such speed-up over L <= 32 at the run's measured ``a`` and with every draft accepted (``a = 1``),
     and the L that gives it."""
     r = costs["t_draft_ms"] / costs["t_full_ms"]
-    h = Horizon("auto", max_len=MAX_BOUND_L)
-    v0, v1 = fit_verify((int(n), v) for n, v in costs["verify_vs_full_by_len"].items())  # the engine's fit
+    by_len = {int(n): v for n, v in costs["verify_vs_full_by_len"].items()}
     hits = sum(sum(s.accepted) for s in stats)
     trials = hits + sum(a < d for s in stats for a, d in zip(s.accepted, s.drafted))
     acc = hits / trials if trials else 0.0
 
-    def best(a: float) -> tuple[float, int]:
-        L = h.best(a, r, v0, v1)
-        return rate(L, a, r, v0, v1), L
+    def bound(a: float) -> tuple[float, int]:
+        L = best(a, r, lambda n: predict(by_len, n), 1, MAX_BOUND_L)
+        return rate(L, a, r, predict(by_len, L + 1)), L
 
-    (at_acc, l_acc), (perfect, l_perfect) = best(acc), best(1.0)
-    return dict(draft_vs_full=r, verify_v0=v0, verify_v1=v1, acceptance_rate=acc, bound_at_acceptance=at_acc,
+    (at_acc, l_acc), (perfect, l_perfect) = bound(acc), bound(1.0)
+    return dict(draft_vs_full=r, acceptance_rate=acc, bound_at_acceptance=at_acc,
                 bound_L=l_acc, bound_all_accepted=perfect, bound_all_accepted_L=l_perfect)
+
+
+def horizon_rounds(horizon) -> dict:
+    """The rounds as the horizon saw them (``Horizon.record``): each round's L, the seconds predicted
+    when L was chosen and measured (its draft and verify forwards), whether it explored; the chosen
+    L's counts, and the median of |predicted - measured| / measured over the rounds with a prediction."""
+    rounds = [dict(L=x.L, predicted_s=x.predicted_s, measured_s=x.measured_s, explore=x.explore)
+              for x in horizon.record] if horizon is not None else []
+    errs = [abs(x["predicted_s"] - x["measured_s"]) / x["measured_s"] for x in rounds if x["predicted_s"] is not None]
+    counts: dict[int, int] = {}
+    for x in rounds:
+        counts[x["L"]] = counts.get(x["L"], 0) + 1
+    return dict(rounds=rounds, chosen_L=dict(sorted(counts.items())),
+                round_error=statistics.median(errs) if errs else None, predicted_rounds=len(errs))
 
 
 def main() -> None:
@@ -313,11 +327,14 @@ def main() -> None:
                                                   draft_len=draft_len, full_kv=args.full_kv, stagger={"on": True, "off": False}.get(args.stagger, "auto"),
                                                   store=store if stored else "resident" if args.source == "resident" else None,
                                                   int8_draft=False if args.int8_draft == "off" else None)
-                            s, out = timed(lambda eng=eng, ps=ps, sampling=sampling: eng.generate(
-                                ps, args.new_tokens, **sampling))
+                            seen: dict = {}  # each request's horizon (lock step: the batch's, shared)
+                            s, out = timed(lambda eng=eng, ps=ps, sampling=sampling, seen=seen: eng.generate(
+                                ps, args.new_tokens, on_round=lambda r: seen.setdefault(r.idx, r.horizon),
+                                **sampling))
                             vc_s.append(s)
                         ref, ref_s = refs[temp]
                         rows.append(_row(dtype, ctx, batch, m, params, temp, ref, ref_s, out, vc_s, eng, args))
+                        rows[-1].update(horizon_rounds(seen.get(0)))  # the first request's, last repeat
                         if args.step_reps:
                             if temp == temps[0]:  # the same caches and steps for every temperature
                                 say(f"{dtype} {ctx} b{batch}: step costs of {m}")
@@ -401,7 +418,7 @@ def _fmt(r: dict) -> str:
             f"{r['ratio']:>5}x  full {r['full_tok_s']:6.1f} tok/s  vericache {r['vericache_tok_s']:6.1f} tok/s  "
             f"x{r['speedup']:.2f}  identical {r['identical']}{_ties(r)}  tok/round {r['tokens_per_round']:5.1f}  "
             f"hidden {100 * r['hidden_swap']:.0f}%  [{r['full_kv']}]  in the run: draft {r['draft_step_ms']:.0f} ms "
-            f"verify {r['verify_ms']:.0f} ms, full step {r['full_step_ms']:.0f} ms")
+            f"verify {r['verify_ms']:.0f} ms, full step {r['full_step_ms']:.0f} ms") + _horizon_fmt(r)
     if "t_full_ms" not in r:  # --step-reps 0
         return line
     return line + (f"\n    steps: full {r['t_full_ms']:.0f} ms  draft {r['t_draft_ms']:.0f} ms "
@@ -411,6 +428,16 @@ def _fmt(r: dict) -> str:
                    f"{r['acceptance_rate']:.3f}, x{r['bound_all_accepted']:.2f} with every draft accepted"
                    + (f"; x{r['bound_at_limits']:.2f} with every step at the machine's limits"
                       if "bound_at_limits" in r else ""))
+
+
+def _horizon_fmt(r: dict) -> str:
+    """A line on request 0's horizon: the L chosen (L: rounds) and how well it predicted its rounds."""
+    if not r.get("rounds"):
+        return ""
+    err = (f"median |predicted - measured| {100 * r['round_error']:.0f}% of measured over {r['predicted_rounds']} rounds"
+           if r["round_error"] is not None else "no round predicted")
+    return (f"\n    horizon: L chosen {r['chosen_L']}  {err}, "
+            f"{sum(x['explore'] for x in r['rounds'])} exploring")
 
 
 def _label(r: dict) -> str:

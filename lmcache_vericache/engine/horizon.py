@@ -2,17 +2,27 @@
 
 ``auto`` picks the L that maximizes the expected tokens per second of a round,
 
-    E(L) / (L * t_draft + v(L)),   E(L) = 1 + a + a^2 + ... + a^L,
+    E(L) / (L * t_draft + v(L + 1)),   E(L) = 1 + a + a^2 + ... + a^L,
 
 with ``a`` the measured per-token acceptance rate (accepted drafts over accept/reject trials),
-``t_draft`` the measured draft step (from rounds without a swap once there is one) and
-``v(L) = v0 + v1 * (L + 1)`` the verify forward's cost fitted to recent rounds: near-constant where
-verifying is memory-bound (a GPU: L grows with acceptance), growing with L where it is
-compute-bound (a CPU, where a verify block of many tokens costs several decode steps: L stays
-short). The swap of the full prefix must hide behind drafting, so L >= L_min = ceil(T_swap /
-t_draft) while rounds swap. Until two different L were verified, L doubles after a round that
-accepted every draft and drops to about 1.5x the recent accepted run after a rejection. The
-horizon only changes how many drafts are verified at once, never which tokens are emitted.
+``t_draft`` the measured draft step (from rounds without a swap once there is one) and ``v(n)`` the
+verify forward of ``n`` tokens, from the seconds measured per block size (:func:`predict`: the median
+of the last few verifies of that size; between two measured sizes the line between those two only;
+outside them the line through the nearest two, never falling with more tokens). Not one line fitted
+across sizes: on a CPU a verify block is compute-bound and its cost can switch paths with its size (AMX
+tiles from 10 tokens), so a line fitted over short blocks misprices long ones. The swap of the full
+prefix must hide behind drafting, so L >= L_min = ceil(T_swap / t_draft) while rounds swap. Until two
+block sizes were verified, L doubles after a round that accepted every draft and drops to about 1.5x
+the recent accepted run after a rejection. The horizon only changes how many drafts are verified at
+once, never which tokens are emitted.
+
+Exploration: the model is only as good as its measured sizes, so the L it prefers must be bracketed
+by fresh measurements. Where the preferred L was measured but no size above it was measured in the
+last ``stale_rounds`` drafting rounds, the next round explores 2L (capped by ``max_len``); where none
+below it was, L // 2 (not under L_min); the measurement then decides. An unmeasured preferred L is
+simply chosen (measuring it is the exploration). Exploring rounds are at most ``1 + explore_share``
+of the drafting rounds, so a stale model is re-measured at a bounded price and a short run still
+gets one look beyond its first sizes.
 
 Where drafting does not pay (the draft step costs about a full step: short contexts, where the
 weights dominate a step; a CPU whose verify blocks cost several full steps), ``plain_ok`` lets auto
@@ -20,7 +30,7 @@ choose L = 0: each round verifies the last token alone, i.e. plain full-KV decod
 sets it only with the full KV resident, where no round after the first swaps. The round after the
 first drafting round without a swap (a swap slows the drafting it shares the CPU with, so rounds
 beside it say little about drafting's rate) is plain: a plain step takes another attention path
-than a verify block, so its cost is measured, not extrapolated from the verify fit; a trial is
+than a verify block, so its cost is measured, not extrapolated from verify blocks; a trial is
 ``plain_trial`` rounds and their median decides (one slow step does not). From then on the
 measured tokens/s of plain and drafting rounds decide (the mode in use stays unless the other
 measured ``switch_margin`` faster), and each mode is re-measured now and then, so a change in
@@ -28,16 +38,24 @@ acceptance or costs is noticed at a bounded price: while plain wins, one draftin
 plain rounds have run ``probe_ratio`` times as long as the last drafting round took (none in a
 short run); while drafting wins, a plain trial once drafting has run ``probe_ratio`` times as long
 as a trial takes.
+
+What is measured is what the caller passes (:class:`~.rounds.Rounds`): draft steps only from
+forwards without verify rows and verifies only from forwards without draft rows (a staggered forward
+can carry both), the round's seconds (``round_s``) from all of its forwards. Each round is kept in
+:attr:`Horizon.record` (L, predicted and measured seconds).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 DraftLen = int | str
+KEEP = 3  # verifies kept per block size; their median is its cost (one slow forward does not decide)
 
 
 def check_draft_len(draft_len: DraftLen, max_len: int) -> None:
@@ -52,7 +70,23 @@ def _ema(old: float, new: float) -> float:
 
 
 @dataclass
+class RoundRecord:
+    """One round as its horizon saw it: ``L`` drafts (0: plain), the seconds predicted when L was
+    chosen (``L t_draft + v(L + 1)``, a plain round: the median plain step; ``None`` before there
+    was a cost model, and for a round that drafted fewer than chosen: cut by the tokens left, an EOS
+    or a staggered first round), the seconds measured (the round's draft and verify forwards) and
+    whether it explored (an L chosen to measure it, not the model's best)."""
+
+    L: int
+    predicted_s: float | None
+    measured_s: float
+    explore: bool = False
+
+
+@dataclass
 class Horizon:
+    """The draft length ``L`` of a staggered request, or of a lock-step batch (the module's docstring)."""
+
     draft_len: DraftLen = 16
     max_len: int = 64
     start_len: int = 8
@@ -60,14 +94,21 @@ class Horizon:
     probe_ratio: float = 16.0
     plain_trial: int = 4  # plain rounds per trial (their median decides): one slow step does not
     switch_margin: float = 1.05  # the other mode must measure this much faster to be chosen
+    explore_share: float = 0.125  # exploring rounds: at most 1 + this share of the drafting rounds
+    stale_rounds: int = 32  # a block size not verified for this many drafting rounds no longer brackets L
     L: int = field(init=False)
+    record: deque[RoundRecord] = field(init=False, default_factory=lambda: deque(maxlen=4096))  # per round
     _acc: float = field(init=False, default=0.0)
     _step_s: float = field(init=False, default=0.0)
     _clean_step: bool = field(init=False, default=False)  # _step_s measured in a round without a swap
     _swap_s: float = field(init=False, default=0.0)
     _hits: float = field(init=False, default=0.0)  # decayed accept / reject counts
     _trials: float = field(init=False, default=0.0)
-    _verifies: deque = field(init=False, default_factory=lambda: deque(maxlen=16))  # (tokens verified, s)
+    _verify: dict = field(init=False, default_factory=dict)  # tokens verified n -> its last KEEP seconds
+    _verified_at: dict = field(init=False, default_factory=dict)  # n -> drafting round it was last verified in
+    _drafting: int = field(init=False, default=0)  # drafting rounds so far
+    _explored: int = field(init=False, default=0)  # of them, exploring
+    _chosen: tuple = field(init=False)  # (L, predicted seconds, explore) of the round now running
     _plain_chosen: bool = field(init=False, default=False)
     _mode_s: float = field(init=False, default=0.0)  # seconds in the current mode (plain or drafting)
     _trial_left: int = field(init=False, default=0)  # plain rounds before this trial may end
@@ -80,6 +121,7 @@ class Horizon:
         check_draft_len(self.draft_len, self.max_len)
         self.L = min(self.start_len, self.max_len) if self.draft_len == "auto" else int(self.draft_len)
         self._plain_steps = deque(maxlen=self.plain_trial)
+        self._chosen = (self.L, None, False)
 
     @property
     def l_min(self) -> int:
@@ -87,22 +129,42 @@ class Horizon:
             return 1
         return min(self.max_len, math.ceil(self._swap_s / self._step_s))
 
-    def verify_cost(self) -> tuple[float, float] | None:
-        """``(v0, v1)`` of ``v(L) = v0 + v1 * (L + 1)`` fitted over recent rounds (:func:`fit_verify`)."""
-        return fit_verify(self._verifies)
+    def verify_s(self, n: int) -> float | None:
+        """Predicted seconds of an ``n``-token verify (:func:`predict` over the measured block sizes:
+        the median of each size's last ``KEEP``); ``None`` for an unmeasured size until two were."""
+        return predict(self._costs(), n)
 
-    def update(self, drafted: int, accepted: int, draft_step_s: float, swap_s: float, verify_s: float = 0.0) -> None:
-        """Record one round: ``accepted`` of ``drafted`` drafts, mean draft step, swap and verify seconds."""
-        self.update_rounds([(drafted, accepted)], draft_step_s, swap_s, verify_s)
+    def _costs(self) -> dict[int, float]:
+        return {n: statistics.median(v) for n, v in self._verify.items()}
+
+    def round_s(self, L: int) -> float | None:
+        """Predicted seconds of a round of ``L`` drafts: ``L t_draft + v(L + 1)``; a plain round (L = 0)
+        the median plain step; ``None`` where that is not measured yet."""
+        if L == 0:
+            return statistics.median(self._plain_steps) if self._plain_steps else None
+        v = self.verify_s(L + 1)
+        return None if v is None or self._step_s <= 0 else L * self._step_s + v
+
+    def update(self, drafted: int, accepted: int, draft_step_s: float, swap_s: float, verify_s: float = 0.0,
+               round_s: float | None = None) -> None:
+        """Record one round: ``accepted`` of ``drafted`` drafts, mean draft step, swap and verify
+        seconds (0: not measured), the round's seconds (default ``drafted * draft_step_s + verify_s``)."""
+        self.update_rounds([(drafted, accepted)], draft_step_s, swap_s, verify_s, round_s)
 
     def update_rounds(self, rounds: list[tuple[int, int]], draft_step_s: float, swap_s: float,
-                      verify_s: float = 0.0) -> None:
+                      verify_s: float = 0.0, round_s: float | None = None) -> None:
         """Record rounds ``(drafted, accepted)`` that shared their forwards: in lock step one horizon
         serves the whole batch, whose requests draft together and verify in one forward (its
         ``verify_s``), so they all get the same L and none waits for a longer one."""
-        if self.draft_len != "auto" or not rounds:
+        if not rounds:
             return
         drafted = max(d for d, _ in rounds)
+        round_s = drafted * draft_step_s + verify_s if round_s is None else round_s
+        if round_s > 0:
+            L, predicted, explore = self._chosen
+            self.record.append(RoundRecord(drafted, predicted if drafted == L else None, round_s, explore))
+        if self.draft_len != "auto":
+            return
         if drafted == 0:  # a plain round (L = 0): its verify is one plain decode step, measured
             if verify_s > 0:
                 self._plain_steps.append(verify_s)
@@ -111,16 +173,21 @@ class Horizon:
             if self.L == 0 and self._trial_left <= 0:
                 self._plain_chosen = self._prefer_plain()
                 if not self._plain_chosen or self._mode_s >= self.probe_ratio * self._round_s:
-                    self._mode_s, self.L = 0.0, max(1, self._probe_len)  # plain lost, or re-measure drafting
+                    self._mode_s = 0.0  # plain lost, or re-measure drafting
+                    self._choose(max(1, self._probe_len))
+                    return
+            self._choose(self.L)
             return
         rounds = [(d, a) for d, a in rounds if d > 0]
         mean_accepted = sum(a for _, a in rounds) / len(rounds)
+        self._drafting += 1
         if verify_s > 0:
-            self._verifies.append((drafted + 1, verify_s))
-            if swap_s == 0:  # a swap shares the cores and memory bus with drafting: no rate evidence
-                self._round_s = drafted * draft_step_s + verify_s
-                self._draft_rate = _ema(self._draft_rate, (mean_accepted + 1) / self._round_s)
-                self._mode_s += self._round_s
+            self._verify.setdefault(drafted + 1, deque(maxlen=KEEP)).append(verify_s)
+            self._verified_at[drafted + 1] = self._drafting
+        if round_s > 0 and swap_s == 0:  # a swap shares the cores and memory bus with drafting: no rate evidence
+            self._round_s = round_s
+            self._draft_rate = _ema(self._draft_rate, (mean_accepted + 1) / round_s)
+            self._mode_s += round_s
         self._acc = _ema(self._acc, mean_accepted)
         if draft_step_s > 0:  # steps beside a swap are slower: the first clean one replaces them
             if swap_s == 0 and not self._clean_step:
@@ -134,24 +201,43 @@ class Horizon:
         # accepted drafts are successes; the first rejected one (if any) a failure
         self._hits = 0.8 * self._hits + sum(a for _, a in rounds)
         self._trials = 0.8 * self._trials + sum(a + (a < d) for d, a in rounds)
-        cost = self.verify_cost()
-        if cost is None or self._step_s <= 0:
+        if len(self._verify) < 2 or self._step_s <= 0:
             all_in = all(a == d for d, a in rounds)
             want = 2 * drafted if all_in else math.ceil(1.5 * self._acc) + 1
+            L = L_best = max(self.l_min, min(self.max_len, want))
         else:
-            want = self.best(self._hits / self._trials, self._step_s, *cost)
-        L = max(self.l_min, min(self.max_len, want))
+            costs = self._costs()
+            L_best = best(self._hits / self._trials, self._step_s, lambda n: predict(costs, n),
+                          self.l_min, self.max_len)
+            L = self._explore(L_best)
         if self.plain_ok and self._draft_rate > 0:
-            # Plain decoding's cost is measured, not extrapolated from the verify fit (a 1-token
-            # step takes another path than a verify block): a plain trial as soon as a drafting round
+            # Plain decoding's cost is measured, not extrapolated from verify blocks (a 1-token step
+            # takes another path than a verify block): a plain trial as soon as a drafting round
             # without a swap was measured, then once drafting has run probe_ratio times as long as a
             # trial takes; plain is chosen where the measured rates prefer it.
             first = self._plain_rate == 0
             self._plain_chosen = not first and self._prefer_plain()
             if first or self._plain_chosen or self._mode_s * self._plain_rate >= self.probe_ratio * self.plain_trial:
                 self._trial_left = 0 if self._plain_chosen else self.plain_trial
-                self._probe_len, self._mode_s, L = L, 0.0, 0
-        self.L = L
+                self._probe_len, self._mode_s, L = L_best, 0.0, 0
+        if L != L_best and L > 0:
+            self._explored += 1
+        self._choose(L, explore=L != L_best and L > 0)
+
+    def _choose(self, L: int, explore: bool = False) -> None:
+        self.L, self._chosen = L, (L, self.round_s(L), explore)
+
+    def _explore(self, L: int) -> int:
+        """The L to run: ``L`` (the model's best), or a block size beyond the fresh measurements
+        around it (the module's docstring says when, and why)."""
+        if L + 1 not in self._verify or self._explored >= 1 + self.explore_share * self._drafting:
+            return L
+        fresh = [n - 1 for n, at in self._verified_at.items() if self._drafting - at < self.stale_rounds]
+        if L < self.max_len and not any(k > L for k in fresh):
+            return min(self.max_len, 2 * L)
+        if L > self.l_min and not any(k < L for k in fresh):
+            return max(self.l_min, L // 2)
+        return L
 
     @property
     def _plain_rate(self) -> float:
@@ -167,28 +253,37 @@ class Horizon:
             return not self._draft_rate > self.switch_margin * self._plain_rate
         return self._plain_rate > self.switch_margin * self._draft_rate
 
-    def best(self, a: float, t_draft: float, v0: float, v1: float) -> int:
-        """The L in [1, max_len] with the most expected tokens per second of a round (0 if max_len is 0)."""
-        if self.max_len < 1:
-            return 0
-        return max(range(1, self.max_len + 1), key=lambda L: rate(L, a, t_draft, v0, v1))
 
-
-def fit_verify(points) -> tuple[float, float] | None:
-    """``(v0, v1)`` of ``v = v0 + v1 * n`` by least squares over ``(tokens verified n, seconds v)``
-    points, both clamped at 0, or ``None`` until two different block sizes were verified."""
-    points = list(points)
-    if len({n for n, _ in points}) < 2:
+def predict(costs: Mapping[int, float], n: int) -> float | None:
+    """Cost of an ``n``-token verify from measured ``costs`` per block size: a measured size's own;
+    between two measured sizes the line between those two only (a global fit would carry one
+    attention path's slope across a switch to another); outside them the line through the nearest
+    two, its slope clamped at >= 0, the result at >= 0. ``None`` for an unmeasured size with fewer
+    than two measured."""
+    if n in costs:
+        return costs[n]
+    if len(costs) < 2:
         return None
-    k = len(points)
-    mx = sum(n for n, _ in points) / k
-    my = sum(v for _, v in points) / k
-    var = sum((n - mx) ** 2 for n, _ in points)
-    v1 = max(0.0, sum((n - mx) * (v - my) for n, v in points) / var)
-    return max(0.0, my - v1 * mx), v1
+    ks = sorted(costs)
+    i = bisect.bisect(ks, n)
+    lo, hi = ks[min(max(i - 1, 0), len(ks) - 2)], ks[min(max(i, 1), len(ks) - 1)]
+    slope = (costs[hi] - costs[lo]) / (hi - lo)
+    if lo < n < hi:
+        return costs[lo] + slope * (n - lo)
+    end = hi if n > hi else lo  # outside the measured sizes: from the nearest one
+    return max(0.0, costs[end] + max(0.0, slope) * (n - end))
 
 
-def rate(L: int, a: float, t_draft: float, v0: float, v1: float) -> float:
-    """Expected tokens per second of a round of ``L`` drafts: ``E(L) / (L t_draft + v0 + v1 (L + 1))``."""
+def best(a: float, t_draft: float, verify: Callable[[int], float], lo: int, hi: int) -> int:
+    """The L in [max(1, lo), hi] with the most expected tokens per second of a round (:func:`rate`),
+    ``verify(n)`` the cost of an ``n``-token verify; 0 if ``hi`` < 1."""
+    if hi < 1:
+        return 0
+    return max(range(max(1, lo), hi + 1), key=lambda L: rate(L, a, t_draft, verify(L + 1)))
+
+
+def rate(L: int, a: float, t_draft: float, verify: float) -> float:
+    """Expected tokens per second of a round of ``L`` drafts and a ``verify``-second verify of L + 1
+    tokens: ``E(L) / (L t_draft + verify)``."""
     expected = L + 1 if a >= 1 else (1 - a ** (L + 1)) / (1 - a)
-    return expected / (L * t_draft + v0 + v1 * (L + 1))
+    return expected / (L * t_draft + verify)

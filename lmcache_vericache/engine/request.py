@@ -104,8 +104,11 @@ class Request:
     drafts: list[int] = field(default_factory=list)
     qs: list[torch.Tensor] = field(default_factory=list)
     swap: SwapIn | None = None
-    round_draft_s: float = 0.0
+    round_draft_s: float = 0.0  # seconds of the round's draft forwards
+    round_pure_s: float = 0.0  # of them, forwards without verify rows (staggered forwards can mix)
+    round_pure_drafts: int = 0  # drafts those made
     round_verify_s: float = 0.0
+    round_verify_pure: bool = True  # its verify forward had no draft rows
     done: bool = False
     margins: list[float] = field(default_factory=list)
 

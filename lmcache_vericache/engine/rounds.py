@@ -58,6 +58,7 @@ class VerifiedRound:
     accepted: int
     draft_step_s: float
     swap_s: float
+    draft_s: float  # the round's draft forwards
 
 
 @dataclass
@@ -96,7 +97,7 @@ class Rounds:
 
     # -- a round starts -----------------------------------------------------------------------------
     def start(self, r: Request) -> None:
-        r.drafts, r.qs, r.round_draft_s = [], [], 0.0
+        r.drafts, r.qs, r.round_draft_s, r.round_pure_s, r.round_pure_drafts = [], [], 0.0, 0.0, 0
         r.limit = self.limit(r)
         if self.verkv:  # every token comes from the (certified) drafter
             return
@@ -155,24 +156,31 @@ class Rounds:
         if picks is None:
             logits = host(logits)
         dt = time.perf_counter() - t0
+        # Staggered, one forward can carry draft rows of some requests and verify rows of others: its
+        # time is no sample of either kind's cost (the horizons'), only of the rounds' seconds.
+        pure = not (drafting and verifying)
         for f in feeds:
             span = slice(f.row, f.row + len(f.guesses) + 1)
             r, rows, top = f.request, logits[span], picks[span] if picks is not None else None
             if f.verify:
                 r.stats.verify_s += dt
-                r.round_verify_s = dt
+                r.round_verify_s, r.round_verify_pure = dt, pure
                 self.verify(r, rows, top)
             else:
                 r.stats.draft_s += dt
                 r.round_draft_s += dt
                 r.stats.draft_steps += 1
+                had = len(r.drafts)
                 self._take_drafts(r, f.guesses, rows, top)
+                if pure:
+                    r.round_pure_s += dt
+                    r.round_pure_drafts += len(r.drafts) - had
         if self._verified:  # lock step: the batch's horizon learns from every round of this forward
             done, self._verified = self._verified, []
             steps = [v.draft_step_s for v in done if v.drafted > 0]  # capped last rounds may not draft
             self.batch_horizon.update_rounds([(v.drafted, v.accepted) for v in done],
                                              sum(steps) / len(steps) if steps else 0.0,
-                                             max(v.swap_s for v in done), dt)
+                                             max(v.swap_s for v in done), dt, max(v.draft_s for v in done) + dt)
             for v in done:  # their next rounds started with the L from before this update
                 if not v.request.done:
                     v.request.limit = self.limit(v.request)
@@ -240,12 +248,14 @@ class Rounds:
         r.draft.n = t - r.prefix + k + 1
         r.draft.write_suffix(r.start - r.prefix, *r.full.suffix(r.start, t + k + 1))
         drafted = len(r.drafts)
-        step_s = r.round_draft_s / drafted if drafted else 0.0
+        # the horizon's cost samples come from pure forwards only (0: none this round); lock step's are all pure
+        step_s = r.round_pure_s / r.round_pure_drafts if r.round_pure_drafts else 0.0
         swap_s = r.swap.seconds if r.swap is not None else 0.0
         if self.batch_horizon is not None:
-            self._verified.append(VerifiedRound(r, drafted, k, step_s, swap_s))
+            self._verified.append(VerifiedRound(r, drafted, k, step_s, swap_s, r.round_draft_s))
         else:
-            r.horizon.update(drafted, k, step_s, swap_s, r.round_verify_s)
+            r.horizon.update(drafted, k, step_s, swap_s, r.round_verify_s if r.round_verify_pure else 0.0,
+                             r.round_draft_s + r.round_verify_s)
         r.swap = None
         self._commit(r, r.drafts[:k] + [nxt], k)
         if not r.done:

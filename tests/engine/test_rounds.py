@@ -7,6 +7,7 @@ mid-generate leaves no swap running."""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -88,7 +89,7 @@ def test_scheduling_changes_speed_not_tokens(tiny_model, variant):
 
 def test_adaptive_horizon_grows_on_full_acceptance(tiny_model):
     # int8 drafts are (nearly) exact: L doubles after the first, fully accepted round; from the
-    # second block size on, the fitted cost model picks L (test_auto_horizon_follows_the_cost_model).
+    # second block size on, the measured costs per block size pick L (test_horizon.py).
     # The swap's floor (L >= swap time / draft step while rounds swap) can only raise it: on a
     # loaded host a slow swap does.
     eng = _eng(tiny_model, method=("int8", {}), draft_len="auto", max_draft_len=32)
@@ -196,6 +197,49 @@ def test_the_swap_floor_on_L_lasts_only_while_rounds_swap():
     assert resident.l_min == 1 and resident.L < 8
     offload = run(2.0)
     assert offload.l_min == 20 and offload.L >= 20
+
+
+def test_horizons_measure_each_kind_of_forward_apart(tiny_model, monkeypatch):
+    """A staggered forward can carry draft rows of some requests and verify rows of others: its time
+    goes into the rounds' seconds, never into a horizon's draft-step or verify samples. In lock step
+    every forward is of one kind, and the batch's horizon predicts each round it chose from them (on a
+    clock that makes a draft forward 1 s, a verify 10 s and a mixed one 100 s: exactly)."""
+    from lmcache_vericache.engine.horizon import Horizon
+
+    kind, clock = {}, {"t": 0.0}
+
+    def perf_counter():
+        clock["t"] += kind["s"]  # read before and after each forward
+        return clock["t"]
+
+    real_step = engine_mod.Rounds.step
+
+    def step(self, drafting, verifying):
+        kind["s"] = 100.0 if drafting and verifying else 1.0 if drafting else 10.0
+        return real_step(self, drafting, verifying)
+
+    seen, real_update = [], Horizon.update_rounds
+
+    def update_rounds(self, rounds, draft_step_s, swap_s, verify_s=0.0, round_s=None):
+        seen.append((max(d for d, _ in rounds), draft_step_s, verify_s, round_s))
+        return real_update(self, rounds, draft_step_s, swap_s, verify_s, round_s)
+
+    monkeypatch.setattr(engine_mod, "time", SimpleNamespace(perf_counter=perf_counter))
+    monkeypatch.setattr(engine_mod.Rounds, "step", step)
+    monkeypatch.setattr(Horizon, "update_rounds", update_rounds)
+    prompts = random_prompts(4, [300, 200, 129, 64])
+    _eng(tiny_model, draft_len="auto", stagger=True, full_kv="resident", eos_ids=set()).generate(prompts, 40)
+    drafting = [x for x in seen if x[0] > 0]
+    assert any(x[3] >= 100 for x in drafting)  # rounds that shared forwards with other kinds
+    assert {x[1] for x in drafting} <= {0.0, 1.0} and {x[2] for x in drafting} <= {0.0, 10.0}
+    assert any(x[1] == 1.0 for x in drafting) and any(x[2] == 10.0 for x in drafting)
+    horizons = {}
+    _eng(tiny_model, draft_len="auto", stagger=False, full_kv="resident", eos_ids=set()).generate(
+        prompts, 40, on_round=lambda r: horizons.setdefault(id(r.horizon), r.horizon))
+    [h] = horizons.values()
+    assert [x.measured_s for x in h.record] == [10.0 + x.L for x in h.record]
+    predicted = [x for x in h.record if x.predicted_s is not None]
+    assert len(predicted) >= 3 and all(x.predicted_s == x.measured_s for x in predicted)
 
 
 def test_plain_decoding_is_an_option_only_with_the_full_kv_resident(tiny_model):
@@ -398,19 +442,3 @@ def test_bad_input(tiny_model):
     with pytest.raises(ValueError, match="differs from the store"):
         VeriCacheEngine(tiny_model, "kivi", store=store)
     assert VeriCacheEngine(tiny_model, store=store).compressor is store.compressor
-
-
-def test_auto_horizon_follows_the_cost_model():
-    """With a fitted verify cost, auto L maximizes expected tokens per second: long where verifying
-    costs the same for any L (memory-bound), short where it grows with L (compute-bound), short
-    where acceptance is low."""
-    from lmcache_vericache.engine.horizon import Horizon
-
-    h = Horizon("auto", max_len=64)
-    assert h.best(0.99, 0.1, 1.0, 0.0) > 16  # cheap drafts, flat verify, high acceptance: long drafts pay
-    assert h.best(0.99, 0.5, 0.0, 0.25) <= 4  # verify grows with L (a CPU) and drafts cost half a step
-    assert h.best(0.3, 0.1, 1.0, 0.0) <= 3  # low acceptance: short
-    for n, v in [(9, 3.25), (5, 2.25), (9, 3.25)]:  # v = 1 + 0.25 n, fitted from two block sizes
-        h._verifies.append((n, v))
-    v0, v1 = h.verify_cost()
-    assert abs(v0 - 1.0) < 1e-9 and abs(v1 - 0.25) < 1e-9

@@ -1,0 +1,119 @@
+"""The auto horizon on synthetic costs (pure Python, no model): verify costs predicted per block size,
+exploration beyond the measured sizes at a bounded price, the rounds' record, a fixed L untouched."""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+from lmcache_vericache.engine.horizon import Horizon, best, predict, rate
+
+T_DRAFT, ACC = 0.44, 0.98
+
+
+def verify(n: int) -> float:
+    """A CPU with AMX: blocks of 10+ tokens take another attention path, cheaper per token."""
+    return 1.0 + 0.13 * n if n < 10 else 1.4 + 0.076 * n
+
+
+def simulate(h: Horizon, rounds: int, rng: random.Random, batch: int = 8, forced: list[int] | None = None) -> None:
+    """Lock-step rounds of ``batch`` requests on the synthetic costs, each draft accepted with
+    probability ACC; ``forced``: the L of the first rounds, whatever the horizon chose."""
+    forced = list(forced or [])
+    for _ in range(rounds):
+        L = forced.pop(0) if forced else h.L
+        accepted = []
+        for _ in range(batch):
+            k = 0
+            while k < L and rng.random() < ACC:
+                k += 1
+            accepted.append((L, k))
+        h.update_rounds(accepted, T_DRAFT, 0.0, verify(L + 1))
+
+
+def test_predict_per_block_size():
+    costs = {5: 1.64, 9: 2.03, 17: 2.69}  # the AMX host's verifies, in full steps
+    assert predict(costs, 9) == 2.03 and predict({9: 2.03}, 9) == 2.03
+    assert predict({9: 2.03}, 10) is None  # one size: no slope to go by
+    assert abs(predict(costs, 13) - 2.36) < 1e-9  # between 9 and 17 only: 5 plays no part
+    assert abs(predict(costs, 33) - (2.69 + 16 * 0.0825)) < 1e-9  # beyond: the line through 9 and 17
+    assert abs(predict(costs, 3) - (1.64 - 2 * 0.0975)) < 1e-9
+    assert predict({5: 2.0, 9: 1.0}, 17) == 1.0 and predict({5: 2.0, 9: 1.0}, 7) == 1.5  # past them: flat at worst
+    assert predict({5: 2.0, 9: 1.0}, 1) == 2.0
+    assert predict({5: 1.0, 9: 3.0}, 1) == 0.0
+
+
+def test_auto_horizon_follows_the_cost_model():
+    """Auto L maximizes expected tokens per second: long where verifying costs the same for any L
+    (memory-bound), short where it grows with L (compute-bound), short where acceptance is low."""
+    assert best(0.99, 0.1, lambda n: 1.0, 1, 64) > 16  # cheap drafts, flat verify, high acceptance
+    assert best(0.99, 0.5, lambda n: 0.25 * n, 1, 64) <= 4  # verify grows with L (a CPU), drafts cost half a step
+    assert best(0.3, 0.1, lambda n: 1.0, 1, 64) <= 3  # low acceptance: short
+    assert best(0.99, 0.1, lambda n: 1.0, 20, 24) == 24 and best(0.3, 0.1, lambda n: 1.0, 20, 24) == 20
+    assert best(0.99, 0.1, lambda n: 1.0, 1, 0) == 0
+    h = Horizon("auto", max_len=64)
+    for n in (8, 4, 8):  # verify 1 + 0.25 (L + 1): v(n) from two block sizes
+        h.update(n, n, 0.1, 0.0, 1.0 + 0.25 * (n + 1))
+    assert h.verify_s(9) == 3.25 and h.verify_s(13) == 4.25 and h.verify_s(7) == 2.75
+    assert h.round_s(8) == 0.8 + 3.25 and h.round_s(0) is None
+
+
+def test_auto_horizon_sees_a_path_switch_that_a_linear_fit_misses():
+    """Verifies of 5-9 tokens alone, fitted by one line (the horizon before per-size costs), price the
+    cheaper long blocks at the short blocks' slope and choose short rounds. Per block size, with the
+    preferred L explored beyond its measured neighbours, the horizon converges to the best L of the
+    true costs, exploring in a bounded share of rounds."""
+    truth = best(ACC, T_DRAFT, verify, 1, 64)
+    assert truth == 12
+    short = [4, 5, 6, 8, 4, 5, 6, 8]  # the sizes the old horizon kept to
+    fit = statistics.linear_regression([n + 1 for n in short], [verify(n + 1) for n in short])
+    linear = best(ACC, T_DRAFT, lambda n: fit.intercept + fit.slope * n, 1, 64)
+    # the line's slope is the short path's 0.13 per token where the long one costs 0.076: it prices a
+    # 17-token verify 19% high and stops at the switch
+    assert fit.intercept + fit.slope * 17 > 1.15 * verify(17) and linear <= truth - 3
+
+    def true_rate(L: int) -> float:
+        return rate(L, ACC, T_DRAFT, verify(L + 1))
+
+    assert true_rate(linear) < true_rate(truth)
+    for seed in range(3):
+        h = Horizon("auto", max_len=64)
+        simulate(h, 300, random.Random(seed), forced=short)
+        rec = list(h.record)[len(short):]
+        tail = [x.L for x in rec[-100:] if not x.explore]
+        assert abs(statistics.median(tail) - truth) <= 1, tail
+        assert statistics.mean(true_rate(L) for L in tail) > 0.99 * true_rate(truth)
+        explored = sum(x.explore for x in h.record)
+        assert 1 <= explored <= 1 + h.explore_share * len(h.record)  # it looked beyond, at a bounded price
+        assert explored <= 0.06 * len(h.record)  # here: rarely, fresh neighbours bracket L
+        # the synthetic costs have no noise: a round of a measured size comes out as predicted; one
+        # interpolated across the switch (9 to 17 tokens, say) is off by a few percent
+        errors = [abs(x.predicted_s - x.measured_s) / x.measured_s for x in rec if x.predicted_s is not None]
+        assert len(errors) > 0.9 * len(rec) and statistics.median(errors) < 1e-9 and max(errors) < 0.1
+
+
+def test_exploring_rounds_stay_a_bounded_share():
+    """Block sizes go stale: a preferred L no longer bracketed by fresh measurements is explored
+    beyond again, now and then; never in more than 1 + explore_share of the drafting rounds, even
+    where the costs jump about so that L is rarely bracketed."""
+    def explored(stale_rounds: int) -> list[int]:
+        h = Horizon("auto", max_len=64, stale_rounds=stale_rounds)
+        simulate(h, 300, random.Random(1))
+        return [i for i, x in enumerate(h.record) if x.explore]
+
+    assert len(explored(1000)) == 1  # nothing goes stale: one look beyond the first sizes
+    again = explored(32)
+    assert 5 < len(again) < 300 / 16 and min(b - a for a, b in zip(again, again[1:])) > 1
+    rng, h = random.Random(0), Horizon("auto", max_len=64, stale_rounds=4)
+    for _ in range(400):
+        L = h.L
+        h.update_rounds([(L, L)], T_DRAFT * rng.uniform(0.5, 2), 0.0, verify(L + 1) * rng.uniform(0.5, 2))
+    assert 0.9 * h.explore_share * 400 < sum(x.explore for x in h.record) <= 1 + h.explore_share * 400
+
+
+def test_fixed_draft_len_is_untouched():
+    h = Horizon(16, max_len=64)
+    simulate(h, 20, random.Random(0))
+    assert h.L == 16 and not h._verify
+    assert [(x.L, x.predicted_s, x.explore) for x in h.record] == [(16, None, False)] * 20
+    assert h.record[0].measured_s == 16 * T_DRAFT + verify(17)
