@@ -64,8 +64,8 @@ from lmcache_vericache.backends import DualTierStore
 from lmcache_vericache.data import stdlib_source
 from lmcache_vericache.engine import Sampling, Segment, VeriCacheEngine, kernels
 from lmcache_vericache.engine.horizon import best, predict, rate
-from lmcache_vericache.engine.runtime import ATTENTION_PATHS
 from lmcache_vericache.engine.lossy import loops
+from lmcache_vericache.engine.runtime import ATTENTION_PATHS
 from lmcache_vericache.models import ensure_smollm2, load_model
 
 FILES = ["argparse.py", "typing.py", "inspect.py", "pathlib.py", "subprocess.py", "tarfile.py",

@@ -17,6 +17,7 @@ import torch
 from .. import compressors
 from .. import metrics as M
 from ..compressors import CodecError, CompressedKV, KVCompressor, from_bytes, to_bytes
+from ..workers import torch_serial
 from . import mac
 from .fullchunk import Buffer, CorruptChunkError, decode_full, encode_full
 from .prefetch import MISSED, PrefetchHandle
@@ -107,8 +108,10 @@ class DualTierStore:
         self.compressor, self.capacity, self.num_kv_heads = compressor, capacity, num_kv_heads
         self.max_concurrent_reads = max_concurrent_reads
         self._hot: LRU[CompressedKV] = LRU(hot_bytes)
-        self._pool = ThreadPoolExecutor(max_concurrent_reads, thread_name_prefix="vericache-read")
-        self._ckv_pool = ThreadPoolExecutor(max_concurrent_reads, thread_name_prefix="vericache-ckv")
+        self._pool = ThreadPoolExecutor(max_concurrent_reads, thread_name_prefix="vericache-read",
+                                        initializer=torch_serial)
+        self._ckv_pool = ThreadPoolExecutor(max_concurrent_reads, thread_name_prefix="vericache-ckv",
+                                            initializer=torch_serial)
         self._stats = StoreStats()
         self._lock = threading.Lock()
         self._closed = False

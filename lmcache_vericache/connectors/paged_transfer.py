@@ -36,6 +36,7 @@ import torch
 from ..backends.keys import KeySpace
 from ..backends.store import DualTierStore
 from ..engine.cache import kv_to_2ltd
+from ..workers import torch_serial
 from . import paged_layout as pl
 from .device_io import CpuIO, DeviceIO, Pending
 from .drafts import DraftJob, LoadDrafter
@@ -103,7 +104,7 @@ class PagedTransfer:
         self._errors: set[int] = set()
         self._inflight: dict[str, Future] = {}  # full-chunk reads shared by concurrent loads
         self._ckv_lock = threading.Lock()
-        self._loader = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="vericache-load")
+        self._loader = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="vericache-load", initializer=torch_serial)
         self._saves: queue.Queue = queue.Queue(SAVE_QUEUE)
         self._writer = threading.Thread(target=self._write_loop, name="vericache-save", daemon=True)
         self._writer.start()
@@ -198,6 +199,7 @@ class PagedTransfer:
         return futures
 
     def _read_chunks(self, todo: list[tuple[str, Future]]) -> None:
+        torch_serial()
         results: list[Tensor | None] = []
         try:
             handle = self.store.prefetch([k for k, _ in todo])
@@ -245,6 +247,7 @@ class PagedTransfer:
                         copy.release()
 
     def _write_loop(self) -> None:
+        torch_serial()
         while True:
             item = self._saves.get()
             if item is None:

@@ -25,6 +25,7 @@ from typing import Protocol
 
 import torch
 
+from ..workers import torch_serial
 from .cache import KVCache
 
 Tensor = torch.Tensor
@@ -39,7 +40,7 @@ class Source(Protocol):
     def prefetch(self, keys: list[str]) -> Handle: ...
 
 
-_SWAP_POOL = ThreadPoolExecutor(2, thread_name_prefix="vericache-swap")
+_SWAP_POOL = ThreadPoolExecutor(2, thread_name_prefix="vericache-swap", initializer=torch_serial)
 
 
 class PinnedPool:

@@ -39,6 +39,7 @@ from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
 from ... import metrics as M
+from ...workers import torch_serial
 from ..config import StoreConfig
 from ..keys import LAYOUT_2LTD, KeySpace
 
@@ -124,8 +125,8 @@ class VeriCacheL2Adapter(L2AdapterInterface):
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._results: dict[str, dict[L2TaskId, Any]] = {op: {} for op in self._efds}
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="vericache-l2-store")
-        self._readers = ThreadPoolExecutor(2, thread_name_prefix="vericache-l2-load")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="vericache-l2-store", initializer=torch_serial)
+        self._readers = ThreadPoolExecutor(2, thread_name_prefix="vericache-l2-load", initializer=torch_serial)
         self._closed = False
         self.stats = {
             "stored_chunks": 0,

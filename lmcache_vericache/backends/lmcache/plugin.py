@@ -38,6 +38,7 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from ... import metrics as M
+from ...workers import torch_serial
 from ..config import StoreConfig
 from ..keys import HASH_SCHEMES, KeySpace
 from ..store import DualTierStore
@@ -107,7 +108,7 @@ class VeriCacheBackend(StoragePluginInterface):
         self._lock = threading.Lock()
         self._inflight: dict[CacheEngineKey, Future] = {}
         # One writer keeps puts in order and bounds the CPU spent compressing behind LMCache's back.
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="vericache-put")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="vericache-put", initializer=torch_serial)
         self._closed = False
         # Chunks written / failed / dropped (queue full), served / missed, batched_get_non_blocking calls.
         self.stats = {"put_chunks": 0, "put_errors": 0, "put_dropped": 0, "get_chunks": 0, "get_misses": 0,
