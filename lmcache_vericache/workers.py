@@ -5,19 +5,20 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from pathlib import Path
 
 import torch
 
 
 @functools.cache
-def _openmp():
-    """The OpenMP runtime PyTorch loaded (GNU, Intel or LLVM), or ``None``."""
-    for name in ("libgomp.so.1", "libiomp5.so", "libomp.so"):
-        try:
-            return ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-        except OSError:
-            continue
-    return None
+def _torch_cpu():
+    """``libtorch_cpu`` as loaded: its symbols and those of what it links (its OpenMP runtime,
+    whatever its file name); ``None`` where it cannot be opened."""
+    try:
+        return ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"),
+                           mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    except OSError:
+        return None
 
 
 def torch_serial() -> None:
@@ -29,9 +30,10 @@ def torch_serial() -> None:
     op of the serving thread's forwards then waits for its threads to wake. Measured on a 2-core CPU:
     the linear layers of a batch-8 decode step took 19 ms, and 36 ms for the rest of the process
     once one prefix read had run on a pool thread. Workers copy, hash and (de)serialize, which is
-    memory-bound: several workers, one core each. Only this thread's OpenMP count changes
-    (``torch.set_num_threads`` would also change what every later thread starts with)."""
-    torch.zeros(2).sum()  # PyTorch sets a thread's OpenMP count at its first op: let it, then override
-    lib = _openmp()
-    if lib is not None:
-        lib.omp_set_num_threads(1)
+    memory-bound: several workers, one core each. Only this thread's OpenMP count changes (a per-thread
+    setting; ``torch.set_num_threads`` would also change what every later thread starts with). MKL
+    keeps its own count, which PyTorch sets only when ``torch.set_num_threads`` is called."""
+    torch.get_num_threads()  # PyTorch sets a thread's count once, at its first query: let it, then override
+    fn = getattr(_torch_cpu(), "omp_set_num_threads", None)
+    if fn is not None:
+        fn(1)

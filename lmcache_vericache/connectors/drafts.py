@@ -39,6 +39,7 @@ from ..engine.cache import KVCache, append_chunks
 from ..engine.runtime import Runtime, Segment
 from .draft_budget import DraftBudget, chunk_entries
 from .model_guard import ModelGuard
+from ..workers import torch_serial
 
 logger = logging.getLogger("vllm." + __name__)  # shown by vLLM's log handler
 MAX_PENDING = 256
@@ -201,8 +202,9 @@ class LoadDrafter:
     def _loop(self, rt: Runtime) -> None:
         """One thread for all jobs: each step, one forward over every active job (a new job's tail
         prefill or the last draft), only while vLLM's own forward does not want the model, on one
-        intra-op thread (this thread's setting): the load it overlaps needs a core too."""
-        torch.set_num_threads(1)
+        intra-op thread (this thread's own setting, workers.torch_serial): the load it overlaps needs a
+        core too."""
+        torch_serial()
         while True:
             with self._work:
                 for job in [j for j in self._active if not j.active]:

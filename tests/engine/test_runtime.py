@@ -259,11 +259,13 @@ def test_the_attention_path_follows_the_cpu_and_the_override(monkeypatch):
     from lmcache_vericache.engine.runtime import attention_path
 
     mod = kernels.build("dense_attention")
+    if mod is None:
+        pytest.skip("no C++ compiler: the PyTorch path is taken")
     k = torch.zeros(3, 64, 64, dtype=torch.bfloat16)
     monkeypatch.setenv("VERICACHE_ATTENTION", "auto")
     tiles = "amx" if mod.amx else "kernel"
     assert attention_path(mod, k, 1) == attention_path(mod, k, 17) == tiles and attention_path(mod, k.float(), 17) == "kernel"
-    assert mod.amx == (kernels.has_amx() and mod.amx)  # tiles only where the CPU reports them
+    assert not mod.amx or kernels.has_amx()  # tiles only where the CPU reports them
     monkeypatch.setenv("VERICACHE_ATTENTION", "kernel")
     assert attention_path(mod, k, 17) == "kernel"
     monkeypatch.setenv("VERICACHE_ATTENTION", "flash")

@@ -48,8 +48,9 @@ def _cpu_flags() -> str:
 
 @functools.cache
 def has_amx() -> bool:
-    """Whether the CPU has AMX tiles for bf16 (``amx_bf16``): oneDNN's bf16 matmuls, and so PyTorch's
-    bf16 GEMMs and CPU flash attention, run on them."""
+    """Whether the CPU reports AMX tiles for bf16 (``amx_bf16``): oneDNN's bf16 GEMMs run on them, and
+    the dense attention kernel's ``amx`` path (which also needs the OS's permission: its module's
+    ``amx`` says whether it has both)."""
     return " amx_bf16" in _cpu_flags()
 
 

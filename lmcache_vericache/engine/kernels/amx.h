@@ -3,6 +3,9 @@
 // them in AVX-512. Numerics as tile_dp's: q and the probabilities rounded to bf16, scores, sums and
 // outputs in fp32, the scale applied to the fp32 scores.
 //
+// (The scale is applied as one fused multiply-subtract, so a probability can round to the
+// neighbouring bf16 of tile_dp's.)
+//
 // Layouts (all tiles are 16 rows of 64 bytes; a B operand holds bf16 pairs along the reduced axis):
 //   scores S [mp, ntp] row-major = Q [mp, D] (A) x K^T (B: 16 d-pairs x 16 tokens, the K tile's
 //   32-bit words transposed), then softmax numerators P [mp, ntp] bf16 in place of the A operand,
@@ -17,7 +20,7 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <vector>
+#include <memory>
 
 #include "common.h"
 
@@ -31,18 +34,36 @@ inline bool amx_permitted() {
   return ok;
 }
 
-// Palette 1, all eight tiles 16 rows x 64 bytes. The configuration is per thread (and oneDNN's
-// kernels load their own), so every work loop loads it before its first tile instruction.
-inline void amx_configure() {
-  alignas(64) uint8_t cfg[64] = {};
-  cfg[0] = 1;
-  for (int t = 0; t < 8; ++t) {
-    const uint16_t colsb = 64;
-    std::memcpy(cfg + 16 + 2 * t, &colsb, 2);
-    cfg[48 + t] = 16;
+// Palette 1, all eight tiles 16 rows x 64 bytes, for the life of the object (one work loop on one
+// thread). The configuration is per thread and other libraries may keep theirs loaded between
+// calls (PyTorch's brgemm skips reloading a configuration it believes current), so the thread's
+// previous one is put back at the end, or the tiles released where there was none.
+class AmxTiles {
+ public:
+  AmxTiles() {
+    _tile_storeconfig(previous_);
+    alignas(64) uint8_t cfg[64] = {};
+    cfg[0] = 1;
+    for (int t = 0; t < 8; ++t) {
+      const uint16_t colsb = 64;
+      std::memcpy(cfg + 16 + 2 * t, &colsb, 2);
+      cfg[48 + t] = 16;
+    }
+    _tile_loadconfig(cfg);
   }
-  _tile_loadconfig(cfg);
-}
+  ~AmxTiles() {
+    if (previous_[0] != 0) {
+      _tile_loadconfig(previous_);
+    } else {
+      _tile_release();
+    }
+  }
+  AmxTiles(const AmxTiles&) = delete;
+  AmxTiles& operator=(const AmxTiles&) = delete;
+
+ private:
+  alignas(64) uint8_t previous_[64] = {};
+};
 
 // rows[16] of 16 dwords -> their transpose, written as 16 rows of 16 dwords at out.
 inline void transpose16x16(__m512i (&a)[16], uint32_t* __restrict__ out) {
@@ -67,13 +88,15 @@ inline void transpose16x16(__m512i (&a)[16], uint32_t* __restrict__ out) {
   }
 }
 
-// Scratch of one thread for tiles of up to kTileTokens tokens and mp rows.
+// Scratch of one thread for tiles of up to tile_tokens tokens and mp rows. Not zeroed: tile_amx
+// writes every part it reads (padding included) first.
 struct AmxScratch {
-  std::vector<uint32_t> kt, vv;  // K^T blocks [ntp/16][D/32][16][16] words; V pairs [ntp/2][D] words
-  std::vector<float> s, o;       // scores [mp, ntp]; one block of rows' output [16, D]
-  std::vector<uint16_t> p;       // probabilities [mp, ntp] bf16
+  std::unique_ptr<uint32_t[]> kt, vv;  // K^T blocks [ntp/16][D/32][16][16] words; V pairs [ntp/2][D] words
+  std::unique_ptr<float[]> s, o;       // scores [mp, ntp]; one block of rows' output [16, D]
+  std::unique_ptr<uint16_t[]> p;       // probabilities [mp, ntp] bf16
   AmxScratch(int64_t tile_tokens, int64_t mp, int D)
-      : kt(tile_tokens * D / 2), vv(tile_tokens * D / 2), s(mp * tile_tokens), o(16 * D), p(mp * tile_tokens) {}
+      : kt(new uint32_t[tile_tokens * D / 2]), vv(new uint32_t[tile_tokens * D / 2]), s(new float[mp * tile_tokens]),
+        o(new float[16 * D]), p(new uint16_t[mp * tile_tokens]) {}
 };
 
 // One (head, tile) as tile() / tile_dp() compute it: qb [mp, D] bf16 (rows past m zero), k / v the
@@ -86,9 +109,9 @@ void tile_amx(const uint16_t* __restrict__ qb, int64_t m, int64_t mp, const uint
   static_assert(D % 32 == 0, "head size: whole 32-element halves");
   constexpr int kHalves = D / 32;
   const int64_t ntp = (nt + 31) / 32 * 32;
-  uint32_t* kt = w.kt.data();
-  float* s = w.s.data();
-  uint16_t* p = w.p.data();
+  uint32_t* kt = w.kt.get();
+  float* s = w.s.get();
+  uint16_t* p = w.p.get();
   // K^T: per 16 tokens and 32 dims, the 16 x 16 words (dim pairs) transposed; padding tokens zero
   for (int64_t tb = 0; tb < ntp / 16; ++tb)
     for (int hf = 0; hf < kHalves; ++hf) {
@@ -141,7 +164,7 @@ void tile_amx(const uint16_t* __restrict__ qb, int64_t m, int64_t mp, const uint
     }
   }
   // V as token pairs: word (v[t][d], v[t+1][d]) at [t/2][d]; padding tokens zero
-  uint32_t* vv = w.vv.data();
+  uint32_t* vv = w.vv.get();
   const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                           39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
@@ -153,7 +176,7 @@ void tile_amx(const uint16_t* __restrict__ qb, int64_t m, int64_t mp, const uint
       _mm512_storeu_si512(vv + (t / 2) * D + 32 * hf + 16, _mm512_permutex2var_epi16(a, hi_idx, b));
     }
   // o = P V per block of 16 rows, 4 blocks of 16 dims at a time (tiles 0-3), P in 4, V pairs in 5
-  float* ob = w.o.data();
+  float* ob = w.o.get();
   for (int64_t rb = 0; rb < m; rb += 16) {
     for (int g = 0; g < D / 64; ++g) {
       _tile_zero(0);

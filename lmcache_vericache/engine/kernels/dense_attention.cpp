@@ -13,8 +13,8 @@
 // (vdpbf16ps, fp32 accumulation) straight from the cache's bytes, with q and the probabilities
 // rounded to bf16 as a bf16 flash kernel does (q of a bf16 model is bf16 already: the scale is
 // applied to the fp32 scores). Elsewhere, and for fp32 caches, tile converts to fp32 and uses FMAs.
-// On CPUs with AMX, amx = true takes tile_amx (amx.h) instead: the same numerics as tile_dp, its
-// matrix products on the tiles (a verify block's many rows; a decode step's 3 rows waste them).
+// On CPUs with AMX, amx = true takes tile_amx (amx.h) instead: tile_dp's numerics, its matrix
+// products on the tiles (faster there for decode steps' few rows too, though 16-row tiles hold them).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -357,8 +357,8 @@ std::vector<torch::Tensor> run(const torch::Tensor& q, const torch::Tensor& k, c
 #if VERICACHE_AMX
     if constexpr (std::is_same_v<T, at::BFloat16>) {
       if (amx) {
-        vericache::amx_configure();
-        vericache::AmxScratch scratch(kTile, mp, D);
+        vericache::AmxScratch scratch(kTile, mp, D);  // before the tiles: a failed allocation leaves them as they were
+        const vericache::AmxTiles tiles_in_use;
         const auto* kb = reinterpret_cast<const uint16_t*>(kp);
         const auto* vb = reinterpret_cast<const uint16_t*>(vp);
         for (int64_t w = begin; w < end; ++w) {
@@ -367,7 +367,6 @@ std::vector<torch::Tensor> run(const torch::Tensor& q, const torch::Tensor& k, c
                                  S - causal - t0, causal, scale, scratch, part_mx.data() + w * mp,
                                  part_sum.data() + w * mp, part_o.data() + w * m * D);
         }
-        _tile_release();
         return;
       }
     }
