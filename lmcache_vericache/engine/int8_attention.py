@@ -69,13 +69,18 @@ class Int8Prefix:
         blocks are copied as they are (re-blocking them all would make laying out a prefix chunk by
         chunk quadratic in its length)."""
         n = self.length(layer)
+        ks, vs = ks.float().reshape(ks.shape[0], -1), vs.float().reshape(vs.shape[0], -1)
+        if n == 0:  # a prefix laid out at once (a stored prompt's chunks): no copies through empty parts
+            self.kq[layer], self.vq[layer] = _block_keys(kq), _block_values(vq)
+            self.ks[layer], self.vs[layer] = ks.contiguous(), vs.contiguous()
+            return
         whole = n // BLOCK  # blocks kept as they are
         keys = torch.cat([_unblock_keys(self.kq[layer][:, whole:], n - whole * BLOCK), kq], dim=1)
         values = torch.cat([_unblock_values(self.vq[layer][:, 4 * whole:], n - whole * BLOCK), vq], dim=1)
         self.kq[layer] = torch.cat([self.kq[layer][:, :whole], _block_keys(keys)], dim=1)
         self.vq[layer] = torch.cat([self.vq[layer][:, :4 * whole], _block_values(values)], dim=1)
-        self.ks[layer] = torch.cat([self.ks[layer], ks.float().reshape(ks.shape[0], -1)], dim=1).contiguous()
-        self.vs[layer] = torch.cat([self.vs[layer], vs.float().reshape(vs.shape[0], -1)], dim=1).contiguous()
+        self.ks[layer] = torch.cat([self.ks[layer], ks], dim=1)
+        self.vs[layer] = torch.cat([self.vs[layer], vs], dim=1)
 
     def length(self, layer: int) -> int:
         return self.ks[layer].shape[1]
@@ -100,9 +105,13 @@ def _padded(x: Tensor) -> Tensor:
 
 
 def _block_keys(keys: Tensor) -> Tensor:
-    """``[H, T, D]`` -> ``[H, ceil(T/16), D/4, 16, 4]``."""
-    h, _, d = keys.shape
-    return _padded(keys).view(h, -1, BLOCK, d // 4, 4).transpose(2, 3).contiguous()
+    """``[H, T, D]`` -> ``[H, ceil(T/16), D/4, 16, 4]``: a transpose of 4-byte groups, moved as int32
+    (a byte-wise transposed copy took 7x as long: a prefix's layout at set-up)."""
+    h, t, d = keys.shape
+    if t == 0:  # no words to view: an empty tensor's strides do not allow the dtype view
+        return keys.new_empty(h, 0, d // 4, BLOCK, 4)
+    words = _padded(keys).contiguous().view(torch.int32).view(h, -1, BLOCK, d // 4)
+    return words.transpose(2, 3).contiguous().view(torch.int8).view(h, -1, d // 4, BLOCK, 4)
 
 
 def _unblock_keys(kq: Tensor, n: int) -> Tensor:

@@ -192,3 +192,17 @@ def test_the_float_path_gives_the_same_result_at_every_vector_width():
             (got,), (got_lse,) = other.int8_attention(*args)
             torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
             torch.testing.assert_close(got_lse, want_lse, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("t", [0, 5, 16, 37, 300])
+def test_a_prefix_laid_out_at_once_equals_one_appended_in_pieces(t):
+    """The first append of a layer takes its own path (no copies through empty parts); its blocks
+    must be those of appending the same codes in pieces with partly filled blocks in between."""
+    gen = torch.Generator().manual_seed(t)
+    (kq, ks), (vq, vs) = _quantized(2, t, 64, gen), _quantized(2, t, 64, gen)
+    once, pieces = int8_attention.Int8Prefix.empty(1, 2, 64), int8_attention.Int8Prefix.empty(1, 2, 64)
+    once.append(0, kq, ks, vq, vs)
+    for a, b in ((0, t // 3), (t // 3, t // 2), (t // 2, t)):
+        pieces.append(0, kq[:, a:b], ks[:, a:b], vq[:, a:b], vs[:, a:b])
+    for part in ("kq", "ks", "vq", "vs"):
+        assert torch.equal(getattr(once, part)[0], getattr(pieces, part)[0]), part
