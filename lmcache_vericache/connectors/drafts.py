@@ -37,9 +37,9 @@ import torch
 from ..compressors import CompressedKV, KVCompressor
 from ..engine.cache import KVCache, append_chunks
 from ..engine.runtime import Runtime, Segment
+from ..workers import torch_serial
 from .draft_budget import DraftBudget, chunk_entries
 from .model_guard import ModelGuard
-from ..workers import torch_serial
 
 logger = logging.getLogger("vllm." + __name__)  # shown by vLLM's log handler
 MAX_PENDING = 256
