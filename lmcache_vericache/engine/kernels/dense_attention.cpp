@@ -329,20 +329,18 @@ std::vector<torch::Tensor> run(const torch::Tensor& q, const torch::Tensor& k, c
   const bool amx = VERICACHE_AMX && std::is_same_v<T, at::BFloat16> && use_amx;
   const bool dp = !amx && VERICACHE_DPBF16 && std::is_same_v<T, at::BFloat16> && use_dp;
   const float* qp = q.data_ptr<float>();
-  // amx: q as bf16 rows [H, mp, D], zero-padded, unscaled
+  // q, zero-padded to mp rows: (amx) bf16 rows [H, mp, D], unscaled; else transposed to [H, D, mp],
+  // fp32 and scaled, or (dp) bf16 pairs [H, D/2, mp], unscaled
   std::vector<uint16_t> qrows(amx ? static_cast<size_t>(H * mp * D) : 0, 0);
-  if (amx)
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t i = 0; i < m; ++i)
-        for (int d = 0; d < D; ++d) qrows[(h * mp + i) * D + d] = bf16_bits(qp[(h * m + i) * D + d]);
-  // q transposed to [H, D, mp], zero-padded: fp32 and scaled, or (dp) bf16 pairs [H, D/2, mp], unscaled
   std::vector<float> qt(dp || amx ? 0 : static_cast<size_t>(H * D * mp), 0.f);
   std::vector<uint32_t> qpairs(dp ? static_cast<size_t>(H * D / 2 * mp) : 0, 0u);
-  for (int64_t h = 0; h < H && !amx; ++h)
+  for (int64_t h = 0; h < H; ++h)
     for (int64_t i = 0; i < m; ++i)
       for (int d = 0; d < D; ++d) {
         const float x = qp[(h * m + i) * D + d];
-        if (dp) {
+        if (amx) {
+          qrows[(h * mp + i) * D + d] = bf16_bits(x);
+        } else if (dp) {
           qpairs[(h * D / 2 + d / 2) * mp + i] |= bf16_bits(x) << (16 * (d % 2));
         } else {
           qt[(h * D + d) * mp + i] = x * scale;
