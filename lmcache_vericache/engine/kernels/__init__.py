@@ -46,14 +46,6 @@ def _cpu_flags() -> str:
         return ""
 
 
-@functools.cache
-def has_amx() -> bool:
-    """Whether the CPU reports AMX tiles for bf16 (``amx_bf16``): oneDNN's bf16 GEMMs run on them, and
-    the dense attention kernel's ``amx`` path (which also needs the OS's permission: its module's
-    ``amx`` says whether it has both)."""
-    return " amx_bf16" in _cpu_flags()
-
-
 def _cflags(name: str, vec_width: int | None) -> list[str]:
     return _CFLAGS + _KERNEL_CFLAGS.get(name, []) + ([f"-DVERICACHE_VEC_WIDTH={int(vec_width)}"] if vec_width else [])
 
