@@ -51,6 +51,7 @@ import os
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -210,9 +211,7 @@ def horizon_rounds(horizon) -> dict:
     rounds = [dict(L=x.L, predicted_s=x.predicted_s, measured_s=x.measured_s, explore=x.explore)
               for x in horizon.record] if horizon is not None else []
     errs = [abs(x["predicted_s"] - x["measured_s"]) / x["measured_s"] for x in rounds if x["predicted_s"] is not None]
-    counts: dict[int, int] = {}
-    for x in rounds:
-        counts[x["L"]] = counts.get(x["L"], 0) + 1
+    counts = Counter(x["L"] for x in rounds)
     return dict(rounds=rounds, chosen_L=dict(sorted(counts.items())),
                 round_error=statistics.median(errs) if errs else None, predicted_rounds=len(errs))
 
