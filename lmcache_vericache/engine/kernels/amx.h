@@ -134,11 +134,13 @@ void tile_amx(const uint16_t* __restrict__ qb, int64_t m, int64_t mp, const uint
       _tile_stored(0, s + rb * ntp + tb * 16, ntp * 4);
     }
   // softmax numerators per row over the tokens it sees, rounded to bf16 for p v; rows past m zero
+  // (padding rows of the A operand: no exponentials for them)
+  std::memset(p + m * ntp, 0, sizeof(uint16_t) * (mp - m) * ntp);
   const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
-  for (int64_t i = 0; i < mp; ++i) {
+  for (int64_t i = 0; i < m; ++i) {
     const float* row = s + i * ntp;
     uint16_t* prow = p + i * ntp;
-    const int64_t lim = i >= m ? 0 : std::min(nt, n ? std::max<int64_t>(0, first + 1 + i % n) : nt);
+    const int64_t lim = std::min(nt, n ? std::max<int64_t>(0, first + 1 + i % n) : nt);
     __m512 top = neg_inf;
     for (int64_t t = 0; t < lim; t += 16) {
       const __mmask16 live = t + 16 <= lim ? 0xFFFF : static_cast<__mmask16>((1u << (lim - t)) - 1);
@@ -158,10 +160,8 @@ void tile_amx(const uint16_t* __restrict__ qb, int64_t m, int64_t mp, const uint
       }
       _mm512_storeu_si512(prow + t, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
     }
-    if (i < m) {
-      mx[i] = lim > 0 ? best * scale : -INFINITY;
-      sum[i] = _mm512_reduce_add_ps(total);
-    }
+    mx[i] = lim > 0 ? best * scale : -INFINITY;
+    sum[i] = _mm512_reduce_add_ps(total);
   }
   // V as token pairs: word (v[t][d], v[t+1][d]) at [t/2][d]; padding tokens zero
   uint32_t* vv = w.vv.get();
