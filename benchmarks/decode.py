@@ -238,8 +238,9 @@ def main() -> None:
     ap.add_argument("--stagger", default="auto", choices=["auto", "on", "off"],
                     help="off: lock step (every request drafts, then all verify in one forward); auto: the "
                          "engine's default (lock step with the full KV resident, staggered in offload)")
-    ap.add_argument("--int8-draft", default="auto", choices=["auto", "off"],
-                    help="int8 drafters attend over the codes with the int8 kernel (auto) or a dequantized copy")
+    ap.add_argument("--packed-draft", default="auto", choices=["auto", "off"],
+                    help="int8 and TurboQuant drafters attend over their codes with the CPU kernel (auto) or "
+                         "over a dequantized copy (off)")
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--roofline-reps", type=int, default=5,
                     help="repeats of the machine-limit measurements (benchmarks/roofline.py) behind each cell's "
@@ -325,7 +326,7 @@ def main() -> None:
                             eng = VeriCacheEngine(model, m if not stored else None, params if not stored else None,
                                                   draft_len=draft_len, full_kv=args.full_kv, stagger={"on": True, "off": False}.get(args.stagger, "auto"),
                                                   store=store if stored else "resident" if args.source == "resident" else None,
-                                                  int8_draft=False if args.int8_draft == "off" else None)
+                                                  **packed_draft(args))
                             seen: dict = {}  # each request's horizon (lock step: the batch's, shared)
                             s, out = timed(lambda eng=eng, ps=ps, sampling=sampling, seen=seen: eng.generate(
                                 ps, args.new_tokens, on_round=lambda r: seen.setdefault(r.idx, r.horizon),
@@ -339,7 +340,7 @@ def main() -> None:
                                 say(f"{dtype} {ctx} b{batch}: step costs of {m}")
                                 costs = step_costs(model, VeriCacheEngine(
                                     model, m, params, store="resident",
-                                    int8_draft=False if args.int8_draft == "off" else None), reqs, (5, 9, 17),
+                                    **packed_draft(args)), reqs, (5, 9, 17),
                                     args.step_reps)
                             rows[-1].update(costs)
                             rows[-1].update(speedup_bound(costs, [o.stats for o in out]))
@@ -382,6 +383,11 @@ def main() -> None:
     _plot(rows, OUT / f"{args.name}.png")
 
 
+def packed_draft(args) -> dict:
+    """The engine's options for ``--packed-draft``: off turns both CPU code drafters off."""
+    return dict(int8_draft=False, codebook_draft=False) if args.packed_draft == "off" else {}
+
+
 def _row(dtype, ctx, batch, m, params, temp, ref, ref_s, out, vc_s, eng, args) -> dict:
     n_tok = sum(len(r.tokens) for r in ref)
     st = [o.stats for o in out]
@@ -399,7 +405,8 @@ def _row(dtype, ctx, batch, m, params, temp, ref, ref_s, out, vc_s, eng, args) -
                verify_ms=1e3 * statistics.mean(s.verify_s / max(1, s.rounds) for s in st),
                cached_chunks=sum(s.cached_chunks for s in st),
                drafted_per_round=list(st[0].drafted),  # the first request's L per round (0: plain), last repeat
-               loops=[loops(r.tokens) for r in ref], full_kv=eng.last_run["full_kv"], int8_draft=eng.int8_draft)
+               loops=[loops(r.tokens) for r in ref], full_kv=eng.last_run["full_kv"], int8_draft=eng.int8_draft,
+               codebook_draft=eng.codebook_draft)
     row["speedup"] = row["vericache_tok_s"] / row["full_tok_s"]
     if temp == 0:  # where greedy outputs differ: the baseline's top-1 minus top-2 logit margin there
         row["divergences"] = []

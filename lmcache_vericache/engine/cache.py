@@ -9,8 +9,8 @@ A request has two caches of the same shape (:class:`KVCache`):
   number of entries per layer when the compressor evicts per layer), then the exact KV of the
   positions after it (the open chunk, a window, the committed suffix). :func:`append_chunks` is the
   one way a compressed prefix gets into it, for the engine and for the vLLM proposer alike. A
-  *packed* draft cache keeps an int8 prefix as its codes instead (``packed``, attended by the
-  kernel of :mod:`.int8_attention`), a *chunked* one its stored chunks (any format the Triton
+  *packed* draft cache keeps an int8 or a codebook (TurboQuant) prefix as its codes instead
+  (``packed``, attended by the CPU kernel of :mod:`.int8_attention` / :mod:`.codebook_attention`), a *chunked* one its stored chunks (any format the Triton
   kernels read, :mod:`.chunk_prefix`), and a *certified* one a PoissonComp prefix with its full
   KV for KVFetch (:mod:`.kvfetch`); their dense buffers then hold only the exact suffix.
 """
@@ -24,6 +24,7 @@ import torch
 
 from ..compressors import CompressedKV, KVCompressor
 from .chunk_prefix import ChunkPrefix
+from .codebook_attention import CodebookPrefix
 from .int8_attention import Int8Prefix
 from .kvfetch import CertifiedPrefix
 
@@ -43,7 +44,7 @@ class KVCache:
     v: Tensor
     base: list[int] = field(default_factory=list)
     n: int = 0
-    packed: Int8Prefix | CertifiedPrefix | ChunkPrefix | None = None  # a prefix attended by its own code (base 0)
+    packed: Int8Prefix | CodebookPrefix | CertifiedPrefix | ChunkPrefix | None = None  # a prefix attended by its own code (base 0)
 
     @classmethod
     def empty(cls, layers: int, heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
@@ -130,8 +131,8 @@ def append_chunks(cache: KVCache, ckvs: Sequence[CompressedKV], compressor: KVCo
 
     The exact suffix is dropped (``n = 0``): its entries are where the prefix grows, and they are
     exact KV of positions the new chunks now cover in compressed form. The caller writes the exact
-    KV of the positions past the chunks again. A packed cache takes the chunks' int8 codes as they are,
-    a chunked one the chunks as stored;
+    KV of the positions past the chunks again. A packed cache takes the chunks' int8 codes as they are
+    (codebook codes laid out in tiles), a chunked one the chunks as stored;
     a certified (KVFetch) one takes each chunk with its full KV ``full`` (``KV_2LTD``, the full tier).
     """
     if isinstance(cache.packed, CertifiedPrefix):
@@ -142,7 +143,7 @@ def append_chunks(cache: KVCache, ckvs: Sequence[CompressedKV], compressor: KVCo
         cache.reserve(room)
         cache.n = 0
         return
-    if isinstance(cache.packed, ChunkPrefix):
+    if isinstance(cache.packed, (ChunkPrefix, CodebookPrefix)):
         cache.packed.append(ckvs)
         cache.reserve(room)
         cache.n = 0

@@ -28,8 +28,9 @@ class EngineConfig:
     requests draft and verify on their own schedules (``"auto"``: only in offload). ``query_window``:
     newest exact tokens kept out of compression. ``full_kv``, ``kv_budget_bytes``, ``verify_buffers``:
     residency (:mod:`~.residency`). ``int8_draft``: int8 prefixes attended as codes by the CPU kernel,
-    ``triton_draft``: prefixes kept as stored chunks, attended by the Triton kernels (GPU) (``None``:
-    where possible). ``model_id``: the key space's model identity (``None``: a digest of the weights).
+    ``triton_draft``: prefixes kept as stored chunks, attended by the Triton kernels (GPU),
+    ``codebook_draft``: TurboQuant prefixes attended as codes by the CPU kernel (``None``: where
+    possible). ``model_id``: the key space's model identity (``None``: a digest of the weights).
     """
 
     chunk_size: int = 256
@@ -43,6 +44,7 @@ class EngineConfig:
     int8_draft: bool | None = None
     model_id: str | None = None
     triton_draft: bool | None = None
+    codebook_draft: bool | None = None
 
     def __post_init__(self) -> None:
         if self.chunk_size < 1:
@@ -50,11 +52,12 @@ class EngineConfig:
         check_draft_len(self.draft_len, self.max_draft_len)
         check_stagger(self.stagger)
         check_residency(self.full_kv, self.kv_budget_bytes, self.verify_buffers)
-        for name in ("int8_draft", "triton_draft"):
+        for name in ("int8_draft", "triton_draft", "codebook_draft"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True, False or None (auto), got {getattr(self, name)!r}")
-        if self.int8_draft and self.triton_draft:
-            raise ValueError("int8_draft and triton_draft are two ways to attend a draft prefix: set one")
+        if self.triton_draft and (self.int8_draft or self.codebook_draft):
+            on = [n for n in ("int8_draft", "codebook_draft") if getattr(self, n)][0]
+            raise ValueError(f"{on} and triton_draft are two ways to attend a draft prefix: set one")
 
     def capacity(self, prompt_len: int, max_new: int) -> int:
         """Cache entries one request needs: prompt, new tokens, the longest round's drafts and the

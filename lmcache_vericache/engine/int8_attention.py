@@ -41,6 +41,12 @@ def integer() -> bool:
     return bool(mod is not None and (mod.vnni or mod.madd))
 
 
+def vnni() -> bool:
+    """Whether the built kernel has the AVX512-VNNI path (which also decodes codebook codes in vectors)."""
+    mod = _module()
+    return bool(mod is not None and mod.vnni)
+
+
 @dataclass
 class Int8Prefix:
     """A draft cache's compressed prefix as int8 codes, per layer (counts may differ per layer), in

@@ -31,9 +31,10 @@ from dataclasses import dataclass
 
 import torch
 
-from . import chunk_prefix, int8_attention, kernels, kvfetch
+from . import chunk_prefix, codebook_attention, int8_attention, kernels, kvfetch
 from .cache import KVCache
 from .chunk_prefix import ChunkPrefix
+from .codebook_attention import CodebookPrefix
 from .hf_model import HfModel
 from .int8_attention import Int8Prefix
 from .kvfetch import CertifiedPrefix
@@ -160,22 +161,24 @@ def prefix_attention(jobs: list[tuple[Tensor, object, int, Tensor, Tensor]], sca
     """Attention of each job ``(q [n, Hq, D], prefix, layer, k, v)`` over a draft cache's ``packed``
     prefix and its exact entries ``k``/``v`` ``[Hkv, S, D]`` (the last ``n`` are the block's own:
     causal), as :func:`attend` returns it (``[n, Hq*D]``, ``v``'s dtype). An
-    :class:`~.int8_attention.Int8Prefix` takes its exact entries into the same kernel call (one call
-    per layer for every job); a :class:`~.kvfetch.CertifiedPrefix` or a
+    :class:`~.int8_attention.Int8Prefix` or :class:`~.codebook_attention.CodebookPrefix` takes its
+    exact entries into the same kernel call (one call per layer for every job of its kind); a
+    :class:`~.kvfetch.CertifiedPrefix` or a
     :class:`~.chunk_prefix.ChunkPrefix` is merged with them by :func:`attend`."""
     res: list[Tensor | None] = [None] * len(jobs)
     rows = []
     for q, _, _, k, _ in jobs:
         n, hkv, d = q.shape[0], k.shape[0], k.shape[2]
         rows.append(q.view(n, hkv, -1, d).permute(1, 2, 0, 3).reshape(hkv, -1, d))  # row j*n + i: member j, token i
-    int8 = [i for i, job in enumerate(jobs) if isinstance(job[1], Int8Prefix)]
-    if int8:
-        parts = int8_attention.attention([(rows[i], jobs[i][1], jobs[i][2]) for i in int8], scale,
-                                         suffixes=[(jobs[i][3], jobs[i][4], jobs[i][0].shape[0]) for i in int8])
-        for i, (out, _) in zip(int8, parts):
-            q, _, _, _, v = jobs[i]
-            n, hkv, d = q.shape[0], v.shape[0], v.shape[2]
-            res[i] = out.view(hkv, -1, n, d).permute(2, 0, 1, 3).reshape(n, -1).to(v.dtype)
+    for kind, attention_of in ((Int8Prefix, int8_attention.attention), (CodebookPrefix, codebook_attention.attention)):
+        idx = [i for i, job in enumerate(jobs) if isinstance(job[1], kind)]
+        if idx:
+            parts = attention_of([(rows[i], jobs[i][1], jobs[i][2]) for i in idx], scale,
+                                 suffixes=[(jobs[i][3], jobs[i][4], jobs[i][0].shape[0]) for i in idx])
+            for i, (out, _) in zip(idx, parts):
+                q, _, _, _, v = jobs[i]
+                n, hkv, d = q.shape[0], v.shape[0], v.shape[2]
+                res[i] = out.view(hkv, -1, n, d).permute(2, 0, 1, 3).reshape(n, -1).to(v.dtype)
     # Prefixes whose attention is merged with the exact entries by attend(): KVFetch's certified
     # one, and stored chunks read by the Triton kernels (chunk_prefix).
     for kind, parts_of in ((CertifiedPrefix, kvfetch.attention), (ChunkPrefix, chunk_prefix.attention)):

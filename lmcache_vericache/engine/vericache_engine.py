@@ -32,10 +32,11 @@ import torch
 from .. import compressors
 from ..backends import DualTierStore, StoreConfig
 from ..backends.keys import KeySpace, model_fingerprint
-from ..compressors.formats import KVFormat
+from ..compressors.formats import KVFormat, describe
 from . import int8_attention, lossy
 from .admission import Admission, Batch, Prompts
 from .chunk_prefix import ChunkArena, ChunkPrefix, kernel_format
+from .codebook_attention import Codebook, CodebookPrefix
 from .config import EngineConfig, check_device, check_stagger, decoding_options, resolve_store, store_fields
 from .horizon import DraftLen, Horizon, check_draft_len
 from .int8_attention import Int8Prefix
@@ -61,12 +62,14 @@ class VeriCacheEngine:
 
     The keyword options are :class:`~.config.EngineConfig`'s (validated before any model work):
     ``chunk_size``, ``draft_len``, ``max_draft_len``, ``stagger``, ``query_window``, ``full_kv``,
-    ``kv_budget_bytes``, ``verify_buffers``, ``int8_draft``, ``triton_draft``, ``model_id``.
+    ``kv_budget_bytes``, ``verify_buffers``, ``int8_draft``, ``triton_draft``, ``codebook_draft``, ``model_id``.
     ``int8_draft``: draft caches keep an int8 compressor's prefix as codes, attended by the CPU int8
     kernel (:mod:`~.int8_attention`); ``None``: on a CPU, where the compressor stores int8 codes and
     the kernel builds. ``triton_draft``: draft caches keep the prefix as its stored chunks (int8,
     int4, KIVI, TurboQuant), attended by the Triton kernels (:mod:`~.chunk_prefix`); ``None``: on a
     CUDA device where Triton imports and the compressor's format is one the kernels read.
+    ``codebook_draft``: draft caches keep a TurboQuant prefix as its codes, attended by the CPU
+    kernel (:mod:`~.codebook_attention`); ``None``: on a CPU with AVX512-VNNI where the kernel builds.
 
     ``mode`` (``"exact"``, default, or ``"verkv"``) and ``verkv`` (``kvfetch_draft``, ``epsilon``,
     ``delta``, ``sketch_bits``): the store config's decoding keys (docs/verkv.md). ``"verkv"`` decodes
@@ -95,10 +98,10 @@ class VeriCacheEngine:
                  kv_budget_bytes: int | None = None, verify_buffers: int | None = None,
                  int8_draft: bool | None = None, mode: str | None = None,
                  verkv: Mapping[str, Any] | None = None, device: str | torch.device | None = None,
-                 triton_draft: bool | None = None):
+                 triton_draft: bool | None = None, codebook_draft: bool | None = None):
         check_device(model, device)
         self.config = EngineConfig(chunk_size, draft_len, max_draft_len, stagger, query_window, full_kv,
-                                   kv_budget_bytes, verify_buffers, int8_draft, model_id, triton_draft)
+                                   kv_budget_bytes, verify_buffers, int8_draft, model_id, triton_draft, codebook_draft)
         decoding = decoding_options(mode, verkv)
         self.rt = Runtime(model)
         self.swap_pool = PinnedPool(device=self.rt.device) if self.rt.device.type == "cuda" else None
@@ -123,6 +126,8 @@ class VeriCacheEngine:
         draft_room = max_draft_len + 2 + (ngram.num_tokens if ngram else 0)
         # Asked for the Triton kernels: the CPU int8 kernel (auto) does not take the prefixes instead.
         self.int8_draft = self._int8_draft(False if triton_draft and int8_draft is None else int8_draft)
+        self.codebook = self._codebook(False if triton_draft and codebook_draft is None else codebook_draft, chunk_size)
+        self.codebook_draft = self.codebook is not None
         if triton_draft and kvfetch is not None:
             raise ValueError("triton_draft: a KVFetch drafter (kvfetch_draft or mode 'verkv') attends its own prefix")
         triton_format = self._triton_format(triton_draft, chunk_size) if kvfetch is None else None
@@ -152,11 +157,33 @@ class VeriCacheEngine:
             return False
         return True
 
+    def _codebook(self, wanted: bool | None, chunk_size: int) -> Codebook | None:
+        """The codebook where draft caches keep a codebook compressor's (TurboQuant's) prefix as codes,
+        attended by the CPU kernel (:mod:`~.codebook_attention`), else ``None``. Auto (``None``): on
+        a CPU with AVX512-VNNI (where the kernel decodes 64 codes per instruction sequence; elsewhere
+        its scalar decoding is slower than the dequantized copy it replaces)."""
+        if wanted is False:
+            return None
+        rt = self.rt
+        try:
+            if rt.device.type != "cpu":
+                raise ValueError(f"the codebook kernel runs on CPU, not {rt.device.type}")
+            if not int8_attention.available() or rt.dtype not in int8_attention.DTYPES:
+                raise ValueError(f"the int8 attention kernel could not be built (see the log) or does not take "
+                                 f"{rt.dtype} (it takes {int8_attention.DTYPES})")
+            codebook = Codebook.of(describe(self.compressor, rt.num_kv_heads, chunk_size, rt.head_dim, rt.dtype))
+        except ValueError as e:
+            if wanted:
+                raise ValueError(f"codebook_draft: {e}") from None
+            return None
+        return codebook if wanted or int8_attention.vnni() else None
+
     def _triton_format(self, wanted: bool | None, chunk_size: int) -> KVFormat | None:
         """The chunks' format where draft caches keep their prefix as stored chunks for the Triton
         kernels, else ``None``. Auto (``wanted=None``): on CUDA, where the kernels read the
         compressor's format (not where the CPU int8 kernel already does)."""
-        if wanted is False or (wanted is None and (self.rt.device.type != "cuda" or self.int8_draft)):
+        if wanted is False or (wanted is None and (self.rt.device.type != "cuda" or self.int8_draft
+                                                   or self.codebook_draft)):
             return None
         rt = self.rt
         try:
@@ -166,11 +193,13 @@ class VeriCacheEngine:
                 raise ValueError(f"triton_draft: {e}") from None
             return None
 
-    def _draft_prefix(self, triton_format: KVFormat | None) -> Callable[[], Int8Prefix | ChunkPrefix] | None:
+    def _draft_prefix(self, triton_format: KVFormat | None) -> Callable[[], Int8Prefix | CodebookPrefix | ChunkPrefix] | None:
         """What makes a new draft cache's packed prefix (``None``: dense draft caches)."""
         rt = self.rt
         if self.int8_draft:
             return lambda: Int8Prefix.empty(rt.num_layers, rt.num_kv_heads, rt.head_dim)
+        if self.codebook is not None:
+            return lambda: CodebookPrefix(self.codebook, rt.num_layers, rt.num_kv_heads)
         if triton_format is not None:
             arena = ChunkArena(triton_format, rt.num_layers, rt.device)  # every request's chunks, a pool per layer
             return lambda: ChunkPrefix(arena)

@@ -31,6 +31,7 @@
 #include "common.h"
 
 #include <algorithm>
+#include <type_traits>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -110,10 +111,11 @@ constexpr int chunk_vecs(int M, int vecs) {
 
 // Portable path (M rows, templated like the VNNI one): codes to float, FMAs, kW lanes per vector
 // (a block of 16 tokens is 16 / kW vectors of scores).
-template <int M, int D>
-void attend_float(const float* __restrict__ q, const int8_t* __restrict__ kb, const float* __restrict__ ks,
-                  const int8_t* __restrict__ vb, const float* __restrict__ vs, int64_t T, float scale,
+template <int M, int D, typename Src>
+void attend_float(const float* __restrict__ q, const Src& src, const float* __restrict__ ks,
+                  const float* __restrict__ vs, int64_t T, float scale,
                   float* __restrict__ out, float* __restrict__ lse, float* __restrict__ s) {
+  alignas(64) int8_t buf[64];
   const int64_t nb = (T + kBlock - 1) / kBlock, Tp = nb * kBlock;
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t t0 = b * kBlock;
@@ -123,7 +125,7 @@ void attend_float(const float* __restrict__ q, const int8_t* __restrict__ kb, co
     for (int part = 0; part < kBlock / kW; ++part) {
       vfloat acc[M] = {};
       for (int g = 0; g < D / 4; ++g) {
-        const vint w = load_words(kb + (b * (D / 4) + g) * 64 + part * kW * 4);  // kW tokens x dims 4g..4g+3
+        const vint w = load_words(src.key(b, g, buf) + part * kW * 4);  // kW tokens x dims 4g..4g+3
         for (int j = 0; j < 4; ++j) {
           const vfloat kf = codes(w, j);
           for (int i = 0; i < M; ++i) acc[i] += q[i * D + 4 * g + j] * kf;
@@ -142,7 +144,11 @@ void attend_float(const float* __restrict__ q, const int8_t* __restrict__ kb, co
     vfloat o[M][kChunk] = {};
     for (int64_t g = 0; g < Tp / 4; ++g) {
       vint w[kChunk];  // dimensions (c0 + c) kW.. x tokens 4g..4g+3
-      for (int c = 0; c < kChunk; ++c) w[c] = load_words(vb + (g * D + (c0 + c) * kW) * 4);
+      for (int c = 0; c < kChunk; ++c) {
+        const int dim = (c0 + c) * kW;
+        alignas(64) int8_t vbuf[64];
+        w[c] = load_words(src.value(g, dim / 16, vbuf) + (dim % 16) * 4);
+      }
       for (int j = 0; j < 4; ++j)
         for (int c = 0; c < kChunk; ++c) {
           const vfloat vf = codes(w[c], j);
@@ -169,9 +175,9 @@ inline void round_rows(const float* __restrict__ q, int8_t (&qi)[M][D], float (&
 
 #if VERICACHE_VNNI
 // VNNI path, M rows (templated: the accumulators stay in registers).
-template <int M, int D>
-void attend_vnni(const float* __restrict__ q, const int8_t* __restrict__ kb, const float* __restrict__ ks,
-                 const int8_t* __restrict__ vb, const float* __restrict__ vs, int64_t T, float scale,
+template <int M, int D, typename Src>
+void attend_vnni(const float* __restrict__ q, const Src& src, const float* __restrict__ ks,
+                 const float* __restrict__ vs, int64_t T, float scale,
                  float* __restrict__ out, float* __restrict__ lse, float* __restrict__ s) {
   const int64_t nb = (T + kBlock - 1) / kBlock, Tp = nb * kBlock;
   // q rounded to int8 per row; (k + 128) . q = k . q + 128 sum(q): the offset is undone per row.
@@ -184,13 +190,11 @@ void attend_vnni(const float* __restrict__ q, const int8_t* __restrict__ kb, con
     for (int d = 0; d < D; ++d) total += qi[i][d];
     qoff[i] = 128 * total;
   }
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t b = 0; b < nb; ++b) {
     __m512i acc[M];
     for (int i = 0; i < M; ++i) acc[i] = _mm512_setzero_si512();
-    const int8_t* __restrict__ blk = kb + b * (D / 4) * 64;
     for (int g = 0; g < D / 4; ++g) {
-      const __m512i ku = _mm512_xor_si512(_mm512_loadu_si512(blk + g * 64), flip);  // s8 -> u8 (+128)
+      const __m512i ku = src.key_u8(b, g);  // codes + 128: vpdpbusd's unsigned operand
       for (int i = 0; i < M; ++i) {
         int32_t qw;
         std::memcpy(&qw, &qi[i][4 * g], sizeof qw);
@@ -229,10 +233,9 @@ void attend_vnni(const float* __restrict__ q, const int8_t* __restrict__ kb, con
     __m512i acc[M][kV];
     for (int i = 0; i < M; ++i)
       for (int c = 0; c < kV; ++c) acc[i][c] = _mm512_setzero_si512();
-    const int8_t* __restrict__ blk = vb + t0 * D;
     for (int g = 0; g < kBlock / 4; ++g) {
       __m512i vv[kV];
-      for (int c = 0; c < kV; ++c) vv[c] = _mm512_loadu_si512(blk + (g * D + 16 * c) * 4);
+      for (int c = 0; c < kV; ++c) vv[c] = src.value512(4 * b + g, c);
       for (int i = 0; i < M; ++i) {
         int32_t ww;
         std::memcpy(&ww, &wq[i][4 * g], sizeof ww);
@@ -260,10 +263,11 @@ void attend_vnni(const float* __restrict__ q, const int8_t* __restrict__ kb, con
 // operands stay below 128: the scores take |k| against q carrying k's sign (vpsignb), q rounded
 // to 7 bits per row; p v takes the weights p * vs rounded to 0..127 per row and 16-token block.
 // Faster than the float path, with drafting numerics near the VNNI path's (tested).
-template <int M, int D>
-void attend_madd(const float* __restrict__ q, const int8_t* __restrict__ kb, const float* __restrict__ ks,
-                 const int8_t* __restrict__ vb, const float* __restrict__ vs, int64_t T, float scale,
+template <int M, int D, typename Src>
+void attend_madd(const float* __restrict__ q, const Src& src, const float* __restrict__ ks,
+                 const float* __restrict__ vs, int64_t T, float scale,
                  float* __restrict__ out, float* __restrict__ lse, float* __restrict__ s) {
+  alignas(64) int8_t buf[64];
   const int64_t nb = (T + kBlock - 1) / kBlock, Tp = nb * kBlock;
   alignas(32) int8_t qi[M][D];
   float qscale[M];
@@ -278,7 +282,7 @@ void attend_madd(const float* __restrict__ q, const int8_t* __restrict__ kb, con
       __m256i acc[M];
       for (int i = 0; i < M; ++i) acc[i] = _mm256_setzero_si256();
       for (int g = 0; g < D / 4; ++g) {
-        const __m256i k = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kb + (b * (D / 4) + g) * 64 + half * 32));
+        const __m256i k = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src.key(b, g, buf) + half * 32));
         const __m256i ka = _mm256_abs_epi8(k);
         for (int i = 0; i < M; ++i) {
           int32_t qw;
@@ -321,12 +325,11 @@ void attend_madd(const float* __restrict__ q, const int8_t* __restrict__ kb, con
       _mm_store_si128(reinterpret_cast<__m128i*>(wq[i]),
                       _mm_packus_epi16(_mm256_castsi256_si128(q16), _mm256_extracti128_si256(q16, 1)));
     }
-    const int8_t* __restrict__ blk = vb + t0 * D;
     for (int c = 0; c < D / 8; ++c) {  // dimensions 8c .. 8c + 7
       __m256i acc[M];
       for (int i = 0; i < M; ++i) acc[i] = _mm256_setzero_si256();
       for (int g = 0; g < kBlock / 4; ++g) {
-        const __m256i vv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (g * D + 8 * c) * 4));
+        const __m256i vv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src.value(4 * b + g, c / 2, buf) + (c % 2) * 32));
         for (int i = 0; i < M; ++i) {
           int32_t ww;
           std::memcpy(&ww, &wq[i][4 * g], sizeof ww);
@@ -348,28 +351,28 @@ void attend_madd(const float* __restrict__ q, const int8_t* __restrict__ kb, con
 #endif
 
 // M rows of one (job, head) by the chosen path.
-template <int M, int D>
-void attend_rows(const float* q, const int8_t* kb, const float* ks, const int8_t* vb, const float* vs, int64_t T,
+template <int M, int D, typename Src>
+void attend_rows(const float* q, const Src& src, const float* ks, const float* vs, int64_t T,
                  float scale, bool vnni, float* out, float* lse, float* s) {
 #if VERICACHE_VNNI
-  if (vnni) return attend_vnni<M, D>(q, kb, ks, vb, vs, T, scale, out, lse, s);
+  if (vnni) return attend_vnni<M, D>(q, src, ks, vs, T, scale, out, lse, s);
 #endif
 #if VERICACHE_MADD
-  if (vnni) return attend_madd<M, D>(q, kb, ks, vb, vs, T, scale, out, lse, s);
+  if (vnni) return attend_madd<M, D>(q, src, ks, vs, T, scale, out, lse, s);
 #endif
-  attend_float<M, D>(q, kb, ks, vb, vs, T, scale, out, lse, s);
+  attend_float<M, D>(q, src, ks, vs, T, scale, out, lse, s);
 }
 
 // One (job, head): its m rows in passes of at most kMaxRows (the accumulators of a pass stay in
 // registers; a verify-sized block re-reads the codes from cache per pass).
-template <int D>
-void attend_head(const float* q, int64_t m, const int8_t* kb, const float* ks, const int8_t* vb, const float* vs,
+template <int D, typename Src>
+void attend_head(const float* q, int64_t m, const Src& src, const float* ks, const float* vs,
                  int64_t T, float scale, bool vnni, float* out, float* lse, float* s) {
   for (int64_t i0 = 0; i0 < m; i0 += kMaxRows) {
     const float* qi = q + i0 * D;
     float *oi = out + i0 * D, *li = lse + i0;
     switch (std::min<int64_t>(kMaxRows, m - i0)) {
-#define VERICACHE_ROWS(M) case M: attend_rows<M, D>(qi, kb, ks, vb, vs, T, scale, vnni, oi, li, s); break;
+#define VERICACHE_ROWS(M) case M: attend_rows<M, D>(qi, src, ks, vs, T, scale, vnni, oi, li, s); break;
       VERICACHE_ROWS(1) VERICACHE_ROWS(2) VERICACHE_ROWS(3) VERICACHE_ROWS(4)
       VERICACHE_ROWS(5) VERICACHE_ROWS(6) VERICACHE_ROWS(7) VERICACHE_ROWS(8)
 #undef VERICACHE_ROWS
@@ -428,15 +431,113 @@ void merge_suffix_head(const float* q, int64_t m, const torch::Tensor& sk, const
   }
 }
 
-}  // namespace
+// Where the attention paths read the codes: 64-byte vectors of int8 codes, key vector (b, g) =
+// block b's 16 tokens x dimensions 4g..4g+3 ([token][dim]), value vector (quad, c) = tokens
+// 4 quad..4 quad+3 x dimensions 16c..16c+15 ([dim][token]). key / value return a pointer to the
+// 64 bytes (buf: where a source may decode them); the VNNI path takes them in registers instead
+// (key_u8: the codes + 128, vpdpbusd's unsigned operand; value512).
 
-std::vector<std::vector<torch::Tensor>> int8_attention(std::vector<torch::Tensor> q, std::vector<torch::Tensor> kq,
-                                                       std::vector<torch::Tensor> ks, std::vector<torch::Tensor> vq,
-                                                       std::vector<torch::Tensor> vs, double scale, bool integer,
-                                                       std::vector<torch::Tensor> sk, std::vector<torch::Tensor> sv,
-                                                       std::vector<int64_t> causal) {
+// Stored int8 codes, blocked (Int8Prefix): the vectors are read in place.
+template <int D>
+struct Int8Codes {
+  const int8_t* kb;
+  const int8_t* vb;
+  const int8_t* key(int64_t b, int g, int8_t*) const { return kb + (b * (D / 4) + g) * 64; }
+  const int8_t* value(int64_t quad, int c, int8_t*) const { return vb + (quad * D + 16 * c) * 4; }
+#if VERICACHE_VNNI
+  __m512i key_u8(int64_t b, int g) const {
+    return _mm512_xor_si512(_mm512_loadu_si512(key(b, g, nullptr)), _mm512_set1_epi8(static_cast<char>(0x80)));
+  }
+  __m512i value512(int64_t quad, int c) const { return _mm512_loadu_si512(value(quad, c, nullptr)); }
+#endif
+};
+
+// 2-4-bit codebook codes in tiles (CodebookPrefix), decoded to the codebook's int8 entries here.
+// A tile holds the 4 vectors j of 16 tokens x 16 dimensions (keys: vectors g = 4 tile + j, values:
+// quads 4 b + j of dimension group `tile`) in 32 x bits bytes (a tile is as large as its codes):
+// 4-bit codes as two 64-byte nibble planes (byte k of plane j / 2: element k of vector j in its
+// low (j even) or high nibble); 2- and 3-bit codes as a 64-byte plane of 2-bit fields (byte k:
+// bits 0-1 of element k of vector j at bits 2j..2j+1), 3-bit codes then four 64-bit masks (bit k
+// of mask j: bit 2 of element k of vector j). Decoding 64 codes is a shift and a mask (a masked
+// add for bit 2) and one 16-entry byte-table lookup (vpshufb).
+inline int tile_code(const uint8_t* tile, int bits, int j, int k) {
+  if (bits == 4) return (tile[64 * (j / 2) + k] >> (4 * (j % 2))) & 15;
+  int code = (tile[k] >> (2 * j)) & 3;
+  if (bits == 3) code |= ((tile[64 + 8 * j + k / 8] >> (k % 8)) & 1) << 2;
+  return code;
+}
+
+#if VERICACHE_VNNI
+inline __m512i tile_codes(const uint8_t* tile, int bits, int j) {
+  if (bits == 4)
+    return _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512(tile + 64 * (j / 2)), _mm_cvtsi32_si128(4 * (j % 2))),
+                            _mm512_set1_epi8(15));
+  const __m512i idx = _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512(tile), _mm_cvtsi32_si128(2 * j)),
+                                       _mm512_set1_epi8(3));
+  if (bits == 2) return idx;
+  uint64_t mask;
+  std::memcpy(&mask, tile + 64 + 8 * j, sizeof mask);
+  return _mm512_mask_add_epi8(idx, mask, idx, _mm512_set1_epi8(4));
+}
+#endif
+
+template <int D>
+struct CodebookCodes {
+  const uint8_t* kt;
+  const uint8_t* vt;
+  int kbits, vbits;
+  const int8_t* klut;  // 16 entries each
+  const int8_t* vlut;
+  const uint8_t* key_tile(int64_t b, int g) const { return kt + (b * (D / 16) + g / 4) * 32 * kbits; }
+  const uint8_t* value_tile(int64_t quad, int c) const { return vt + (quad / 4 * (D / 16) + c) * 32 * vbits; }
+  const int8_t* key(int64_t b, int g, int8_t* buf) const {
+    for (int k = 0; k < 64; ++k) buf[k] = klut[tile_code(key_tile(b, g), kbits, g % 4, k)];
+    return buf;
+  }
+  const int8_t* value(int64_t quad, int c, int8_t* buf) const {
+    for (int k = 0; k < 64; ++k) buf[k] = vlut[tile_code(value_tile(quad, c), vbits, quad % 4, k)];
+    return buf;
+  }
+#if VERICACHE_VNNI
+  __m512i ktable_u8, vtable;  // the codebooks in each 16-byte lane (keys + 128)
+  CodebookCodes(const uint8_t* kt, const uint8_t* vt, int kbits, int vbits, const int8_t* klut, const int8_t* vlut)
+      : kt(kt), vt(vt), kbits(kbits), vbits(vbits), klut(klut), vlut(vlut) {
+    ktable_u8 = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(klut))),
+                                 _mm512_set1_epi8(static_cast<char>(0x80)));
+    vtable = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vlut)));
+  }
+  __m512i key_u8(int64_t b, int g) const { return _mm512_shuffle_epi8(ktable_u8, tile_codes(key_tile(b, g), kbits, g % 4)); }
+  __m512i value512(int64_t quad, int c) const {
+    return _mm512_shuffle_epi8(vtable, tile_codes(value_tile(quad, c), vbits, quad % 4));
+  }
+#else
+  CodebookCodes(const uint8_t* kt, const uint8_t* vt, int kbits, int vbits, const int8_t* klut, const int8_t* vlut)
+      : kt(kt), vt(vt), kbits(kbits), vbits(vbits), klut(klut), vlut(vlut) {}
+#endif
+};
+
+// f(std::integral_constant<int, D>) for the compiled head sizes.
+template <typename F>
+void with_head_dim(int64_t D, F&& f) {
+  switch (D) {
+    case 16: return f(std::integral_constant<int, 16>{});
+    case 32: return f(std::integral_constant<int, 32>{});
+    case 64: return f(std::integral_constant<int, 64>{});
+    case 128: return f(std::integral_constant<int, 128>{});
+  }
+  TORCH_CHECK(false, "head size must be 16, 32, 64 or 128, got ", D);
+}
+
+// What every prefix kind shares: the checks of q, the scales and the suffixes, one task per
+// (job, head) over the threads, and the suffix merge. prefix(j, h, q, out, lse, s) attends the
+// job's head over its prefix (T > 0), with s scratch of min(m, kMaxRows) x Tp floats.
+template <typename Prefix>
+std::vector<std::vector<torch::Tensor>> run_jobs(const std::vector<torch::Tensor>& q, const std::vector<torch::Tensor>& ks,
+                                                 const std::vector<torch::Tensor>& vs, double scale,
+                                                 const std::vector<torch::Tensor>& sk, const std::vector<torch::Tensor>& sv,
+                                                 const std::vector<int64_t>& causal, Prefix&& prefix) {
   const size_t jobs = q.size();
-  TORCH_CHECK(kq.size() == jobs && ks.size() == jobs && vq.size() == jobs && vs.size() == jobs, "job count mismatch");
+  TORCH_CHECK(ks.size() == jobs && vs.size() == jobs, "job count mismatch");
   const bool suffix = !sk.empty();
   TORCH_CHECK(!suffix || (sk.size() == jobs && sv.size() == jobs && causal.size() == jobs),
               "sk, sv and causal must be given for every job or for none");
@@ -444,12 +545,9 @@ std::vector<std::vector<torch::Tensor>> int8_attention(std::vector<torch::Tensor
   std::vector<std::pair<size_t, int64_t>> work;  // (job, head)
   for (size_t j = 0; j < jobs; ++j) {
     TORCH_CHECK(q[j].dtype() == torch::kFloat32 && q[j].is_contiguous() && q[j].dim() == 3, "q must be contiguous float32 [H, m, D]");
-    TORCH_CHECK(kq[j].dtype() == torch::kInt8 && kq[j].is_contiguous() && vq[j].dtype() == torch::kInt8 && vq[j].is_contiguous(),
-                "codes must be contiguous int8");
     TORCH_CHECK(ks[j].dtype() == torch::kFloat32 && ks[j].is_contiguous() && vs[j].dtype() == torch::kFloat32 && vs[j].is_contiguous(),
                 "scales must be contiguous float32 [H, T]");
     const int64_t H = q[j].size(0), m = q[j].size(1), D = q[j].size(2), T = ks[j].size(1);
-    const int64_t nb = (T + kBlock - 1) / kBlock;
     TORCH_CHECK(D == 16 || D == 32 || D == 64 || D == 128, "head size must be 16, 32, 64 or 128, got ", D);
     if (suffix) {
       TORCH_CHECK(sk[j].dim() == 3 && sk[j].size(0) == H && sk[j].size(2) == D && sv[j].sizes() == sk[j].sizes() &&
@@ -462,15 +560,10 @@ std::vector<std::vector<torch::Tensor>> int8_attention(std::vector<torch::Tensor
     }
     TORCH_CHECK(T > 0 || suffix, "no keys");
     TORCH_CHECK(ks[j].size(0) == H && vs[j].sizes() == ks[j].sizes(), "scales must be [H, T]");
-    TORCH_CHECK(kq[j].dim() == 5 && kq[j].size(0) == H && kq[j].size(1) == nb && kq[j].size(2) == D / 4 &&
-                kq[j].size(3) == kBlock && kq[j].size(4) == 4, "keys must be blocked [H, ceil(T/16), D/4, 16, 4]");
-    TORCH_CHECK(vq[j].dim() == 4 && vq[j].size(0) == H && vq[j].size(1) == 4 * nb && vq[j].size(2) == D &&
-                vq[j].size(3) == 4, "values must be blocked [H, 4 ceil(T/16), D, 4]");
     outs[j] = torch::empty({H, m, D}, q[j].options());
     lses[j] = torch::empty({H, m}, q[j].options());
     for (int64_t h = 0; h < H; ++h) work.emplace_back(j, h);
   }
-  const bool vnni = integer && (VERICACHE_VNNI || VERICACHE_MADD);
   at::parallel_for(0, static_cast<int64_t>(work.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s, seen_w;
     for (int64_t w = begin; w < end; ++w) {
@@ -480,28 +573,168 @@ std::vector<std::vector<torch::Tensor>> int8_attention(std::vector<torch::Tensor
       const int64_t Tp = (T + kBlock - 1) / kBlock * kBlock;
       s.resize(static_cast<size_t>(std::min<int64_t>(m, kMaxRows) * Tp));
       const float* qh = q[j].data_ptr<float>() + h * m * D;
-      const int8_t* kh = kq[j].data_ptr<int8_t>() + h * Tp * D;
-      const int8_t* vh = vq[j].data_ptr<int8_t>() + h * Tp * D;
-      const float *ksh = ks[j].data_ptr<float>() + h * T, *vsh = vs[j].data_ptr<float>() + h * T;
       float* oh = outs[j].data_ptr<float>() + h * m * D;
       float* lh = lses[j].data_ptr<float>() + h * m;
-      const float sc = static_cast<float>(scale);
       if (T == 0) {  // nothing packed yet: the suffix alone
         std::fill(oh, oh + m * D, 0.f);
         std::fill(lh, lh + m, -INFINITY);
+      } else {
+        prefix(j, h, qh, oh, lh, s.data());
       }
-      switch (D) {
-#define VERICACHE_HEAD(DIM)                                                                        \
-  case DIM:                                                                                        \
-    if (T > 0) attend_head<DIM>(qh, m, kh, ksh, vh, vsh, T, sc, vnni, oh, lh, s.data());           \
-    if (suffix) merge_suffix_head<DIM>(qh, m, sk[j], sv[j], h, causal[j], sc, oh, lh, seen_w);        \
-    break;
-        VERICACHE_HEAD(16) VERICACHE_HEAD(32) VERICACHE_HEAD(64) VERICACHE_HEAD(128)
-#undef VERICACHE_HEAD
-      }
+      if (suffix)
+        with_head_dim(D, [&](auto dim) {
+          merge_suffix_head<decltype(dim)::value>(qh, m, sk[j], sv[j], h, causal[j], static_cast<float>(scale), oh, lh, seen_w);
+        });
     }
   });
   return {outs, lses};
+}
+
+}  // namespace
+
+std::vector<std::vector<torch::Tensor>> int8_attention(std::vector<torch::Tensor> q, std::vector<torch::Tensor> kq,
+                                                       std::vector<torch::Tensor> ks, std::vector<torch::Tensor> vq,
+                                                       std::vector<torch::Tensor> vs, double scale, bool integer,
+                                                       std::vector<torch::Tensor> sk, std::vector<torch::Tensor> sv,
+                                                       std::vector<int64_t> causal) {
+  TORCH_CHECK(kq.size() == q.size() && vq.size() == q.size(), "job count mismatch");
+  for (size_t j = 0; j < q.size(); ++j) {
+    TORCH_CHECK(kq[j].dtype() == torch::kInt8 && kq[j].is_contiguous() && vq[j].dtype() == torch::kInt8 && vq[j].is_contiguous(),
+                "codes must be contiguous int8");
+    const int64_t H = q[j].size(0), D = q[j].size(2), nb = (ks[j].size(1) + kBlock - 1) / kBlock;
+    TORCH_CHECK(kq[j].dim() == 5 && kq[j].size(0) == H && kq[j].size(1) == nb && kq[j].size(2) == D / 4 &&
+                kq[j].size(3) == kBlock && kq[j].size(4) == 4, "keys must be blocked [H, ceil(T/16), D/4, 16, 4]");
+    TORCH_CHECK(vq[j].dim() == 4 && vq[j].size(0) == H && vq[j].size(1) == 4 * nb && vq[j].size(2) == D &&
+                vq[j].size(3) == 4, "values must be blocked [H, 4 ceil(T/16), D, 4]");
+  }
+  const bool vnni = integer && (VERICACHE_VNNI || VERICACHE_MADD);
+  return run_jobs(q, ks, vs, scale, sk, sv, causal, [&](size_t j, int64_t h, const float* qh, float* oh, float* lh, float* s) {
+    const int64_t m = q[j].size(1), D = q[j].size(2), T = ks[j].size(1), Tp = (T + kBlock - 1) / kBlock * kBlock;
+    with_head_dim(D, [&](auto dim) {
+      constexpr int DIM = decltype(dim)::value;
+      const Int8Codes<DIM> src{kq[j].data_ptr<int8_t>() + h * Tp * DIM, vq[j].data_ptr<int8_t>() + h * Tp * DIM};
+      attend_head<DIM>(qh, m, src, ks[j].data_ptr<float>() + h * T, vs[j].data_ptr<float>() + h * T, T,
+                       static_cast<float>(scale), vnni, oh, lh, s);
+    });
+  });
+}
+
+// Attention over codebook codes (TurboQuant: x = norm * (codebook[code] @ R)). The kernel works in
+// the rotated domain: q is rotated once per row (q R^T), the prefix's output is rotated back
+// (o R_v) before the exact suffix is merged. kt / vt [H, ceil(T/16), D/16, 32 bits] tiles
+// (codebook_tiles), klut / vlut int8 [16] the codebooks scaled to int8 (entries past 2^bits
+// unused), ks / vs [H, T] float32 the per-token scales (norm / the codebook's int8 scale), krot /
+// vrot float32 [D, D] the rotations. Numerics of the int8 paths (q and the weights rounded).
+std::vector<std::vector<torch::Tensor>> codebook_attention(std::vector<torch::Tensor> q, std::vector<torch::Tensor> kt,
+                                                           std::vector<torch::Tensor> ks, std::vector<torch::Tensor> vt,
+                                                           std::vector<torch::Tensor> vs, int64_t kbits, int64_t vbits,
+                                                           torch::Tensor klut, torch::Tensor vlut, torch::Tensor krot,
+                                                           torch::Tensor vrot, double scale, bool integer,
+                                                           std::vector<torch::Tensor> sk, std::vector<torch::Tensor> sv,
+                                                           std::vector<int64_t> causal) {
+  TORCH_CHECK(kt.size() == q.size() && vt.size() == q.size(), "job count mismatch");
+  TORCH_CHECK(kbits >= 2 && kbits <= 4 && vbits >= 2 && vbits <= 4, "codes must have 2, 3 or 4 bits");
+  TORCH_CHECK(klut.dtype() == torch::kInt8 && klut.numel() == 16 && klut.is_contiguous() && vlut.dtype() == torch::kInt8 &&
+              vlut.numel() == 16 && vlut.is_contiguous(), "codebooks must be 16 contiguous int8 entries");
+  for (size_t j = 0; j < q.size(); ++j) {
+    const int64_t H = q[j].size(0), D = q[j].size(2), nb = (ks[j].size(1) + kBlock - 1) / kBlock;
+    for (const auto& [t, bits] : {std::pair{kt[j], kbits}, std::pair{vt[j], vbits}})
+      TORCH_CHECK(t.dtype() == torch::kUInt8 && t.is_contiguous() && t.dim() == 4 && t.size(0) == H && t.size(1) == nb &&
+                  t.size(2) == D / 16 && t.size(3) == 32 * bits, "codes must be tiles [H, ceil(T/16), D/16, 32 bits] uint8");
+    TORCH_CHECK(krot.dtype() == torch::kFloat32 && vrot.dtype() == torch::kFloat32 && krot.is_contiguous() &&
+                vrot.is_contiguous() && krot.dim() == 2 && krot.size(0) == D && krot.size(1) == D &&
+                vrot.sizes() == krot.sizes(), "rotations must be contiguous float32 [D, D]");
+  }
+  const bool vnni = integer && (VERICACHE_VNNI || VERICACHE_MADD);
+  const float* kr = krot.data_ptr<float>();
+  const float* vr = vrot.data_ptr<float>();
+  return run_jobs(q, ks, vs, scale, sk, sv, causal, [&](size_t j, int64_t h, const float* qh, float* oh, float* lh, float* s) {
+    const int64_t m = q[j].size(1), D = q[j].size(2), T = ks[j].size(1), nb = (T + kBlock - 1) / kBlock;
+    std::vector<float> qr(static_cast<size_t>(m * D)), orot(static_cast<size_t>(m * D));
+    for (int64_t i = 0; i < m; ++i)  // q R^T: the rotated query rows
+      for (int64_t c = 0; c < D; ++c) {
+        float acc = 0.f;
+        for (int64_t d = 0; d < D; ++d) acc += kr[c * D + d] * qh[i * D + d];
+        qr[i * D + c] = acc;
+      }
+    with_head_dim(D, [&](auto dim) {
+      constexpr int DIM = decltype(dim)::value;
+      const int64_t tile = nb * (DIM / 16);
+      const CodebookCodes<DIM> src{kt[j].data_ptr<uint8_t>() + h * tile * 32 * kbits,
+                                   vt[j].data_ptr<uint8_t>() + h * tile * 32 * vbits, static_cast<int>(kbits),
+                                   static_cast<int>(vbits), klut.data_ptr<int8_t>(), vlut.data_ptr<int8_t>()};
+      attend_head<DIM>(qr.data(), m, src, ks[j].data_ptr<float>() + h * T, vs[j].data_ptr<float>() + h * T, T,
+                       static_cast<float>(scale), vnni, orot.data(), lh, s);
+    });
+    for (int64_t i = 0; i < m; ++i) {  // o R_v: back from the rotated domain
+      float* oi = oh + i * D;
+      std::fill(oi, oi + D, 0.f);
+      for (int64_t c = 0; c < D; ++c) {
+        const float x = orot[i * D + c];
+        for (int64_t d = 0; d < D; ++d) oi[d] += x * vr[c * D + d];
+      }
+    }
+  });
+}
+
+// Lay out codes as the tiles codebook_attention reads (see CodebookCodes). pieces[p] is one layer's
+// codes of a stored chunk of counts[p] tokens ([H, n, D] read flat, `bits` bits each, little-endian,
+// the compressor's packing); its tokens starts[p]..stops[p] are taken, all pieces' in order.
+// values: value tiles (else key tiles). Returns [H, ceil(T/16), D/16, 32 bits] uint8, padding 0.
+torch::Tensor codebook_tiles(std::vector<torch::Tensor> pieces, std::vector<int64_t> counts, std::vector<int64_t> starts,
+                             std::vector<int64_t> stops, int64_t H, int64_t D, int64_t bits, bool values) {
+  TORCH_CHECK(bits >= 2 && bits <= 4, "codes must have 2, 3 or 4 bits");
+  TORCH_CHECK(D % 16 == 0 && D > 0, "head size must be a multiple of 16");
+  const size_t P = pieces.size();
+  TORCH_CHECK(counts.size() == P && starts.size() == P && stops.size() == P, "one count, start and stop per piece");
+  std::vector<const uint8_t*> rows;  // where each token's codes of head 0 start, in order
+  std::vector<int64_t> head_stride;  // bytes from one head's codes to the next, per token
+  for (size_t p = 0; p < P; ++p) {
+    TORCH_CHECK(pieces[p].dtype() == torch::kUInt8 && pieces[p].is_contiguous() && pieces[p].dim() == 1 &&
+                pieces[p].numel() == (H * counts[p] * D * bits + 7) / 8, "piece ", p, " is not ", H, " x ", counts[p],
+                " x ", D, " packed ", bits, "-bit codes");
+    TORCH_CHECK(0 <= starts[p] && starts[p] <= stops[p] && stops[p] <= counts[p], "piece ", p, ": bad token range");
+    const uint8_t* base = pieces[p].data_ptr<uint8_t>();
+    for (int64_t t = starts[p]; t < stops[p]; ++t) {
+      rows.push_back(base + t * D * bits / 8);
+      head_stride.push_back(counts[p] * D * bits / 8);
+    }
+  }
+  const int64_t T = static_cast<int64_t>(rows.size()), nb = (T + kBlock - 1) / kBlock, G = D / 16, tb = 32 * bits;
+  auto out = torch::empty({H, nb, G, tb}, torch::kUInt8);
+  uint8_t* o = out.data_ptr<uint8_t>();
+  const uint64_t mask = (1u << bits) - 1;
+  at::parallel_for(0, H * nb, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t hb = begin; hb < end; ++hb) {
+      const int64_t h = hb / nb, b = hb % nb;
+      for (int64_t g = 0; g < G; ++g) {
+        uint64_t x[kBlock] = {};  // each token's codes of dimensions 16g..16g+15 (2 bits bytes); padding 0
+        for (int tt = 0; tt < kBlock && b * kBlock + tt < T; ++tt)
+          std::memcpy(&x[tt], rows[b * kBlock + tt] + h * head_stride[b * kBlock + tt] + g * 2 * bits, 2 * bits);
+        // element (j, k) of the tile: keys token k / 4, dimension 4j + k % 4; values token 4j + k % 4,
+        // dimension k / 4.
+        auto code = [&](int j, int k) -> unsigned {
+          return values ? (x[4 * j + k % 4] >> (bits * (k / 4))) & mask : (x[k / 4] >> (bits * (4 * j + k % 4))) & mask;
+        };
+        uint8_t* tile = o + (hb * G + g) * tb;
+        for (int k = 0; k < 64; ++k) {
+          if (bits == 4) {
+            tile[k] = code(0, k) | code(1, k) << 4;
+            tile[64 + k] = code(2, k) | code(3, k) << 4;
+          } else {
+            tile[k] = (code(0, k) & 3) | (code(1, k) & 3) << 2 | (code(2, k) & 3) << 4 | (code(3, k) & 3) << 6;
+          }
+        }
+        if (bits == 3)
+          for (int j = 0; j < 4; ++j) {
+            uint64_t m = 0;
+            for (int k = 0; k < 64; ++k) m |= static_cast<uint64_t>(code(j, k) >> 2) << k;
+            std::memcpy(tile + 64 + 8 * j, &m, sizeof m);
+          }
+      }
+    }
+  });
+  return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -509,6 +742,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("kq"), py::arg("ks"), py::arg("vq"), py::arg("vs"), py::arg("scale"), py::arg("integer") = true,
         py::arg("sk") = std::vector<torch::Tensor>{}, py::arg("sv") = std::vector<torch::Tensor>{},
         py::arg("causal") = std::vector<int64_t>{});
+  m.def("codebook_attention", &codebook_attention, "attention over 2-4-bit codebook KV codes in tiles",
+        py::arg("q"), py::arg("kt"), py::arg("ks"), py::arg("vt"), py::arg("vs"), py::arg("kbits"), py::arg("vbits"),
+        py::arg("klut"), py::arg("vlut"), py::arg("krot"), py::arg("vrot"), py::arg("scale"), py::arg("integer") = true,
+        py::arg("sk") = std::vector<torch::Tensor>{}, py::arg("sv") = std::vector<torch::Tensor>{},
+        py::arg("causal") = std::vector<int64_t>{});
+  m.def("codebook_tiles", &codebook_tiles, "lay out packed codebook codes as codebook_attention's tiles",
+        py::arg("pieces"), py::arg("counts"), py::arg("starts"), py::arg("stops"), py::arg("H"), py::arg("D"),
+        py::arg("bits"), py::arg("values"));
   m.attr("vnni") = static_cast<bool>(VERICACHE_VNNI);
   m.attr("madd") = static_cast<bool>(VERICACHE_MADD);  // the AVX2 integer path (attend_madd)
   m.attr("vec_width") = kW;  // floats per vector of the float path
