@@ -364,14 +364,14 @@ def main() -> None:
         prompt, cont = p[:ctx], p[ctx:]
         for m, params in methods:
             say(f"{dtype} {ctx}: acceptance of {m} {params} (greedy, T=0.8, teacher-forced)")
-            eng = VeriCacheEngine(model, m, params, draft_len=32, store="resident")
+            eng = VeriCacheEngine(model, m, params, draft_len=32, store="resident", **packed_draft(args))
             [g] = eng.generate([prompt], args.accept_tokens)
             [s] = eng.generate([prompt], args.accept_tokens, temperature=0.8, seed=0)
             tf = teacher_forced(eng, prompt, cont, 32)
             a = dict(dtype=dtype, context=ctx, method=m, params=params, ratio=round(g.stats.compression_ratio, 2),
                      ratio_vs_bf16=_vs_bf16(g.stats.compression_ratio, dtype),
                      greedy=g.stats.mean_accepted, greedy_loops=loops(g.tokens), sampled_t08=s.stats.mean_accepted,
-                     teacher_forced=tf, horizon=32)
+                     teacher_forced=tf, horizon=32, int8_draft=eng.int8_draft, codebook_draft=eng.codebook_draft)
             accept_rows.append(a)
             print(f"accept {dtype} {m:<14} {json.dumps(params)} ratio {a['ratio']:>5}x ({a['ratio_vs_bf16']}x vs bf16)  greedy {a['greedy']:5.1f}"
                   f"{' (loops)' if a['greedy_loops'] else ''}  sampled {a['sampled_t08']:5.1f}  teacher-forced {tf:5.1f}",
