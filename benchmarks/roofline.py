@@ -23,7 +23,8 @@ the best of its repeats (a higher one lowers every bound), and integer products 
 all. The package's own kernels run below the limits on both sides (benchmarks/decode.py measures
 the real steps; a measured ratio can exceed these bounds when its full-KV step is further from its
 limit than VeriCache's steps are). Drafters: ``int8`` reads every entry's codes (``--int8-bytes``
-of fp32's bytes: codes plus per-token scales; its integer products free), ``evict25`` attends over
+of fp32's bytes: codes plus per-token scales; its integer products free), ``codebook`` TurboQuant
+k4 v3's (``--codebook-bytes``: 3.5 bits of codes and the norms; its products free too), ``evict25`` attends over
 a quarter of the entries at full precision, ``no_kv`` reads no KV at all (the weights and their
 flops only: what no drafter that runs the model can beat, as every draft step reads the weights).
 
@@ -127,6 +128,8 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--int8-bytes", type=float, default=0.266,
                     help="int8 draft KV bytes as a fraction of the fp32 KV's (measured by decode.py: 0.266)")
+    ap.add_argument("--codebook-bytes", type=float, default=0.125,
+                    help="TurboQuant k4 v3 draft KV bytes as a fraction of the fp32 KV's (decode.py: 0.125)")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--name", default="roofline")
     args = ap.parse_args()
@@ -134,8 +137,8 @@ def main() -> None:
     dtypes = args.dtypes.split(",")
     if bad := [d for d in dtypes if d not in DTYPE_BYTES]:
         ap.error(f"--dtypes: {bad} not in {sorted(DTYPE_BYTES)}")
-    if min(contexts + batches) < 1 or not 0 < args.int8_bytes <= 1 or args.reps < 1:
-        ap.error("contexts and batches must be >= 1, --int8-bytes in (0, 1], --reps >= 1")
+    if min(contexts + batches) < 1 or not 0 < args.int8_bytes <= 1 or not 0 < args.codebook_bytes <= 1 or args.reps < 1:
+        ap.error("contexts and batches must be >= 1, --int8-bytes and --codebook-bytes in (0, 1], --reps >= 1")
 
     m = model_shape(ensure_smollm2())
     say(f"measuring read bandwidth, GEMM rates and the FMA peak ({args.reps} reps each, under a minute; "
@@ -148,7 +151,9 @@ def main() -> None:
     for dtype in dtypes:
         # int8 codes against this dtype's KV: bytes relative to fp32 scaled to the dtype's size
         # (attended entries in float, KV bytes) per drafter; int8's integer products are not counted
-        drafters = {"int8": (0.0, args.int8_bytes * 4 / DTYPE_BYTES[dtype]), "evict25": (0.25, 0.25), "no_kv": (0.0, 0.0)}
+        drafters = {"int8": (0.0, args.int8_bytes * 4 / DTYPE_BYTES[dtype]),
+                    "codebook": (0.0, args.codebook_bytes * 4 / DTYPE_BYTES[dtype]), "evict25": (0.25, 0.25),
+                    "no_kv": (0.0, 0.0)}
         for batch in batches:
             for context in contexts:
                 for name, (entries, kv_bytes) in drafters.items():
@@ -160,7 +165,7 @@ def main() -> None:
         cells = "  ".join(f"x{x['bound']:.2f} (L={x['bound_L']:2d})" for x in rows[i:i + len(drafters)])
         print(f"{r['dtype']:9} {r['batch']:5d} {r['context']:5d}  {r['t_full_ms']:6.1f} ms ({r['full_bound_by']:5})   {cells}")
     save_rows(OUT, args.name, dict(meta=dict(machine_info(), model=m, rates=rates, int8_bytes=args.int8_bytes,
-                                             max_L=MAX_L), rows=rows))
+                                             codebook_bytes=args.codebook_bytes, max_L=MAX_L), rows=rows))
 
 
 if __name__ == "__main__":

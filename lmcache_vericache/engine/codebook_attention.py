@@ -11,7 +11,7 @@ one description (:func:`~..compressors.formats.describe`: bits, codebook, rotati
 the GPU kernels.
 
 Layout (:class:`CodebookPrefix`): per layer, codes in tiles of 16 tokens x 16 dimensions, ``32 x
-bits`` bytes each (bit planes, see ``decode_tile`` in the kernel), and one float32 scale per (head,
+bits`` bytes each (bit planes, see ``CodebookCodes`` in the kernel), and one float32 scale per (head,
 token): the stored norm over the codebook's int8 scale. The codebook rounded to int8 (127 over its
 largest entry) moves an entry by at most 0.4% of the largest: far below the 2-4-bit codes' own
 error, so a drafter's numerics, and drafts only (verification reads the full KV).
@@ -78,8 +78,10 @@ class CodebookPrefix:
     """A draft cache's compressed prefix as codebook codes, per layer: key and value tiles
     ``kt``/``vt`` ``[H, ceil(T_l/16), D/16, 32 bits]`` uint8, scales ``ks``/``vs`` ``[H, T_l]``
     float32. ``tail``: per layer, where the last partly filled block's tokens are in the stored
-    chunks (``(kq, vq, n, start)``), so the next append re-tiles that block from its codes (a chunk's
-    buffers are kept alive by it: at most one chunk per layer)."""
+    chunks (``(kq, vq, n, start)``), so the next append re-tiles that block from its codes. It keeps
+    those chunks' code buffers alive (views of the store's copies, not counted in ``nbytes``): the
+    chunks holding the last ``T_l % 16`` tokens, none when chunks are whole blocks (a chunk size
+    that 16 divides, as the default 256)."""
 
     codebook: Codebook
     layers: int
@@ -102,12 +104,27 @@ class CodebookPrefix:
 
     def append(self, ckvs: Sequence[CompressedKV]) -> None:
         """Append consecutive chunks (in order) to every layer. The chunks must be validated (a
-        shared store's chunk passes ``codec.validate`` first); sizes are checked again here."""
+        shared store's chunk passes ``codec.validate`` first); their shapes are checked again here,
+        before the prefix changes (a chunk that does not fit raises ``ValueError`` and leaves it as
+        it was)."""
         if not ckvs:
             return
-        mod = _module()
+        mod = int8_attention._module()
         cb, h, d = self.codebook, self.heads, self.codebook.head_dim
+        for ckv in ckvs:
+            if (ckv.num_kv_heads, ckv.head_dim, ckv.num_layers) != (h, d, self.layers):
+                raise ValueError(f"a chunk of {ckv.num_layers} layers x {ckv.num_kv_heads} heads x {ckv.head_dim} "
+                                 f"for a prefix of {self.layers} x {h} x {d}")
         per_layer = [ckv.buffers_by_layer() for ckv in ckvs]
+        for b, ckv in zip(per_layer, ckvs):
+            for li, parts in enumerate(b):
+                for name, bits in (("kq", cb.kbits), ("vq", cb.vbits)):
+                    want = (h * ckv.num_tokens * d * bits + 7) // 8
+                    if name not in parts or parts[name].dtype != torch.uint8 or parts[name].numel() != want:
+                        raise ValueError(f"layer {li}: {name} is not {want} bytes of {bits}-bit codes")
+                for name in ("knorm", "vnorm"):
+                    if name not in parts or parts[name].numel() != h * ckv.num_tokens:
+                        raise ValueError(f"layer {li}: {name} is not one norm per head and token")
         for li in range(self.layers):
             n0 = self.length(li)
             pieces = list(self.tail[li]) + [(b[li]["kq"], b[li]["vq"], c.num_tokens, 0) for b, c in zip(per_layer, ckvs)]
@@ -147,36 +164,16 @@ def _last_tokens(pieces: list[tuple[Tensor, Tensor, int, int]], r: int) -> list[
     return out[::-1]
 
 
-def _module():
-    return int8_attention._module()
-
-
 def attention(jobs: list[tuple[Tensor, CodebookPrefix, int]], scale: float, integer: bool = True,
               suffixes: list[int8_attention.Suffix] | None = None) -> list[tuple[Tensor, Tensor]]:
     """:func:`.int8_attention.attention`'s contract for codebook prefixes (all of one codebook)."""
-    mod = _module()
-    if mod is None:
-        raise RuntimeError("the int8 attention kernel (which reads codebook codes) is not available")
-    if suffixes is not None and len(suffixes) != len(jobs):
-        raise ValueError(f"{len(suffixes)} suffixes for {len(jobs)} jobs")
     if len({id(p.codebook) for _, p, _ in jobs}) > 1:
         raise ValueError("one call attends prefixes of one codebook")
-    run = [i for i, (_, p, li) in enumerate(jobs) if suffixes is not None or p.length(li)]
-    res: list[tuple[Tensor, Tensor] | None] = [None] * len(jobs)
-    if run:
-        picked = [jobs[i] for i in run]
+
+    def call(mod, qs, picked, extra):
         cb = picked[0][1].codebook
-        extra = {} if suffixes is None else dict(sk=[suffixes[i][0] for i in run], sv=[suffixes[i][1] for i in run],
-                                                 causal=[suffixes[i][2] for i in run])
-        outs, lses = mod.codebook_attention([q.float().contiguous() for q, _, _ in picked],
-                                            [p.kt[li] for _, p, li in picked], [p.ks[li] for _, p, li in picked],
-                                            [p.vt[li] for _, p, li in picked], [p.vs[li] for _, p, li in picked],
-                                            cb.kbits, cb.vbits, cb.klut, cb.vlut, cb.krot, cb.vrot, scale, integer,
-                                            **extra)
-        for i, o, lse in zip(run, outs, lses):
-            res[i] = (o, lse)
-    for i, (q, _, _) in enumerate(jobs):
-        if res[i] is None:
-            h, m, d = q.shape
-            res[i] = (torch.zeros(h, m, d), torch.full((h, m), float("-inf")))
-    return res  # type: ignore[return-value]
+        tiles = ([getattr(p, part)[li] for _, p, li in picked] for part in ("kt", "ks", "vt", "vs"))
+        return mod.codebook_attention(qs, *tiles, cb.kbits, cb.vbits, cb.klut, cb.vlut, cb.krot, cb.vrot, scale,
+                                      integer, **extra)
+
+    return int8_attention.run_jobs(call, jobs, suffixes)

@@ -151,6 +151,15 @@ def attention(jobs: list[tuple[Tensor, Int8Prefix, int]], scale: float, integer:
     attended in the same call and merged in: the result is then attention over prefix and suffix.
     ``n`` is the causal block (the last ``n`` suffix entries are the rows' own tokens; row ``r`` is
     block token ``r % n`` and sees the suffix up to itself); 0: every row sees the whole suffix."""
+    return run_jobs(lambda mod, qs, picked, extra: mod.int8_attention(
+        qs, *([getattr(p, part)[li] for _, p, li in picked] for part in ("kq", "ks", "vq", "vs")), scale, integer,
+        **extra), jobs, suffixes)
+
+
+def run_jobs(call, jobs: list, suffixes: list[Suffix] | None) -> list[tuple[Tensor, Tensor]]:
+    """What every packed prefix's ``attention`` shares: ``call(module, qs, picked jobs, suffix
+    keywords)`` runs the kernel on the jobs it has work for (a prefix, or a suffix); the others get
+    ``out = 0, lse = -inf``."""
     mod = _module()
     if mod is None:
         raise RuntimeError("int8 attention kernel is not available")
@@ -162,10 +171,7 @@ def attention(jobs: list[tuple[Tensor, Int8Prefix, int]], scale: float, integer:
         picked = [jobs[i] for i in run]
         extra = {} if suffixes is None else dict(sk=[suffixes[i][0] for i in run], sv=[suffixes[i][1] for i in run],
                                                  causal=[suffixes[i][2] for i in run])
-        outs, lses = mod.int8_attention([q.float().contiguous() for q, _, _ in picked],
-                                        [p.kq[li] for _, p, li in picked], [p.ks[li] for _, p, li in picked],
-                                        [p.vq[li] for _, p, li in picked], [p.vs[li] for _, p, li in picked],
-                                        scale, integer, **extra)
+        outs, lses = call(mod, [q.float().contiguous() for q, _, _ in picked], picked, extra)
         for i, o, lse in zip(run, outs, lses):
             res[i] = (o, lse)
     for i, (q, _, _) in enumerate(jobs):

@@ -19,6 +19,7 @@ from ..backends.keys import KeySpace
 from ..compressors import CompressedKV, KVCompressor
 from .cache import append_chunks, poison_prefix
 from .chunk_prefix import ChunkPrefix
+from .codebook_attention import CodebookPrefix
 from .int8_attention import Int8Prefix
 from .kvfetch import CertifiedPrefix
 from .request import Request
@@ -36,7 +37,7 @@ class Prefiller:
 
     def __init__(self, rt: Runtime, store: DualTierStore | None, compressor: KVCompressor, chunk_size: int,
                  query_window: int, draft_room: int, key_space: KeySpace,
-                 draft_prefix: Callable[[], Int8Prefix | ChunkPrefix] | None = None, kvfetch: dict | None = None):
+                 draft_prefix: Callable[[], Int8Prefix | CodebookPrefix | ChunkPrefix] | None = None, kvfetch: dict | None = None):
         self.rt, self.store, self.compressor, self.key_space = rt, store, compressor, key_space
         self.draft_prefix = draft_prefix  # an empty packed prefix for each draft cache (None: dense)
         self.kvfetch = kvfetch  # CertifiedPrefix options: draft caches attend with KVFetch

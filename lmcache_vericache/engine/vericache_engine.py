@@ -126,10 +126,12 @@ class VeriCacheEngine:
         draft_room = max_draft_len + 2 + (ngram.num_tokens if ngram else 0)
         # Asked for the Triton kernels: the CPU int8 kernel (auto) does not take the prefixes instead.
         self.int8_draft = self._int8_draft(False if triton_draft and int8_draft is None else int8_draft)
-        self.codebook = self._codebook(False if triton_draft and codebook_draft is None else codebook_draft, chunk_size)
+        for name, wanted in (("triton_draft", triton_draft), ("codebook_draft", codebook_draft)):
+            if wanted and kvfetch is not None:
+                raise ValueError(f"{name}: a KVFetch drafter (kvfetch_draft or mode 'verkv') attends its own prefix")
+        self.codebook = (self._codebook(False if triton_draft and codebook_draft is None else codebook_draft, chunk_size)
+                         if kvfetch is None else None)
         self.codebook_draft = self.codebook is not None
-        if triton_draft and kvfetch is not None:
-            raise ValueError("triton_draft: a KVFetch drafter (kvfetch_draft or mode 'verkv') attends its own prefix")
         triton_format = self._triton_format(triton_draft, chunk_size) if kvfetch is None else None
         self.triton_draft = triton_format is not None
         self.prefiller = Prefiller(self.rt, self.store, self.compressor, chunk_size, query_window, draft_room,

@@ -114,6 +114,35 @@ def test_the_exact_suffix_is_merged_causally():
         torch.testing.assert_close(lse[:, r:r + 1], want_lse, atol=3e-6, rtol=1e-5)
 
 
+@pytest.mark.skipif(not int8_attention.vnni(), reason="no AVX512-VNNI path on this CPU")
+@pytest.mark.parametrize("kbits,vbits", BITS + [(2, 2)])
+@pytest.mark.parametrize("d", [16, 64, 128])
+def test_the_vector_decode_equals_int8_codes_bit_for_bit(kbits, vbits, d):
+    """The VNNI path decodes tiles in registers (shift, mask, vpshufb). With identity rotations it
+    must give exactly what the int8 source gives over the decoded entries as int8 codes."""
+    from lmcache_vericache.compressors.packing import pack
+
+    gen = torch.Generator().manual_seed(d + kbits)
+    h, t = 3, 100
+    cb = dataclasses.replace(Codebook.of(formats.describe(compressors.get("turboquant", k_bits=kbits, v_bits=vbits),
+                                                          h, t, d, torch.float32)),
+                             krot=torch.eye(d), vrot=torch.eye(d))
+    mod = kernels.build("int8_attention")
+    tiles, codes = [], []
+    for bits, values, lut in ((kbits, False, cb.klut), (vbits, True, cb.vlut)):
+        c = torch.randint(0, 2 ** bits, (h, t, d), generator=gen, dtype=torch.uint8)
+        tiles.append(mod.codebook_tiles([pack(c, bits)], [t], [0], [t], h, d, bits, values))
+        codes.append(lut[c.long()])
+    ks, vs = torch.rand(h, t, generator=gen) / 50, torch.rand(h, t, generator=gen) / 50
+    prefix = CodebookPrefix(cb, 1, h, [tiles[0]], [ks], [tiles[1]], [vs], [[]])
+    packed = int8_attention.Int8Prefix.empty(1, h, d)
+    packed.append(0, codes[0], ks, codes[1], vs)
+    q = torch.randn(h, 5, d, generator=gen) * 2
+    [(out, lse)] = codebook_attention.attention([(q, prefix, 0)], 0.125, integer=True)
+    [(want, want_lse)] = int8_attention.attention([(q, packed, 0)], 0.125, integer=True)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
 @pytest.mark.parametrize("cuts", [(), (1,), (1, 2), (2,)])
 def test_appending_chunk_by_chunk_equals_laying_out_at_once(cuts):
     """Chunks of 40 / 24 / 72 tokens leave partly filled blocks between appends; the tiles (and
@@ -155,11 +184,19 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="head sizes"):
         Codebook.of(formats.describe(comp, 2, 32, 48, torch.float32))
     short = dataclasses.replace(ckvs[0], buffers={**ckvs[0].buffers, "L0.kq": ckvs[0].buffers["L0.kq"][:-1]})
-    with pytest.raises(RuntimeError, match="packed 4-bit codes"):  # a truncated chunk: no read past its end
-        CodebookPrefix(p.codebook, 1, 2).append([short])
+    before = p.clone()
+    with pytest.raises(ValueError, match="layer 0: kq is not 2048 bytes of 4-bit codes"):  # a truncated chunk: refused, nothing changed
+        p.append([short])
+    assert all(torch.equal(a, b) for a, b in zip(p.kt + p.ks + p.vt + p.vs, before.kt + before.ks + before.vt + before.vs))
+    mod = kernels.build("int8_attention")
+    with pytest.raises(RuntimeError, match="packed 4-bit codes"):  # the kernel's own check, no product that wraps
+        mod.codebook_tiles([torch.empty(0, dtype=torch.uint8)], [2 ** 58], [0], [1], 2, 64, 4, False)
     q = torch.randn(2, 3, 64)
+    with pytest.raises(RuntimeError, match="job count mismatch"):
+        mod.codebook_attention([q, q], p.kt, [], p.vt, p.vs, 4, 3, p.codebook.klut, p.codebook.vlut,
+                               p.codebook.krot, p.codebook.vrot, 0.125)
     with pytest.raises(RuntimeError, match="tiles"):
-        codebook_attention._module().codebook_attention([q], [p.kt[0][:, :1]], p.ks, p.vt, p.vs, 4, 3, p.codebook.klut,
+        kernels.build("int8_attention").codebook_attention([q], [p.kt[0][:, :1]], p.ks, p.vt, p.vs, 4, 3, p.codebook.klut,
                                                         p.codebook.vlut, p.codebook.krot, p.codebook.vrot, 0.125)
     other = Codebook.of(formats.of_chunk(comp, ckvs[0]))
     with pytest.raises(ValueError, match="one codebook"):
@@ -196,6 +233,8 @@ def test_packed_codebook_drafter_is_lossless_and_reads_fewer_bytes(tiny_model, f
 
 
 def test_codebook_draft_option(tiny_model):
+    with pytest.raises(ValueError, match="codebook_draft: a KVFetch drafter"):
+        VeriCacheEngine(tiny_model, "poissoncomp", codebook_draft=True, verkv={"kvfetch_draft": True})
     with pytest.raises(ValueError, match="codebook_draft: int8 has no codebook format"):
         VeriCacheEngine(tiny_model, "int8", codebook_draft=True)
     with pytest.raises(ValueError, match="True, False or None"):

@@ -528,6 +528,13 @@ void with_head_dim(int64_t D, F&& f) {
   TORCH_CHECK(false, "head size must be 16, 32, 64 or 128, got ", D);
 }
 
+// The job lists' lengths and q's shape, checked before anything reads a job's sizes.
+void check_jobs(const std::vector<torch::Tensor>& q, std::initializer_list<size_t> sizes) {
+  for (size_t n : sizes) TORCH_CHECK(n == q.size(), "job count mismatch");
+  for (const auto& x : q)
+    TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 3, "q must be contiguous float32 [H, m, D]");
+}
+
 // What every prefix kind shares: the checks of q, the scales and the suffixes, one task per
 // (job, head) over the threads, and the suffix merge. prefix(j, h, q, out, lse, s) attends the
 // job's head over its prefix (T > 0), with s scratch of min(m, kMaxRows) x Tp floats.
@@ -597,8 +604,9 @@ std::vector<std::vector<torch::Tensor>> int8_attention(std::vector<torch::Tensor
                                                        std::vector<torch::Tensor> vs, double scale, bool integer,
                                                        std::vector<torch::Tensor> sk, std::vector<torch::Tensor> sv,
                                                        std::vector<int64_t> causal) {
-  TORCH_CHECK(kq.size() == q.size() && vq.size() == q.size(), "job count mismatch");
+  check_jobs(q, {kq.size(), ks.size(), vq.size(), vs.size()});
   for (size_t j = 0; j < q.size(); ++j) {
+    TORCH_CHECK(ks[j].dim() == 2, "scales must be [H, T]");
     TORCH_CHECK(kq[j].dtype() == torch::kInt8 && kq[j].is_contiguous() && vq[j].dtype() == torch::kInt8 && vq[j].is_contiguous(),
                 "codes must be contiguous int8");
     const int64_t H = q[j].size(0), D = q[j].size(2), nb = (ks[j].size(1) + kBlock - 1) / kBlock;
@@ -632,11 +640,12 @@ std::vector<std::vector<torch::Tensor>> codebook_attention(std::vector<torch::Te
                                                            torch::Tensor vrot, double scale, bool integer,
                                                            std::vector<torch::Tensor> sk, std::vector<torch::Tensor> sv,
                                                            std::vector<int64_t> causal) {
-  TORCH_CHECK(kt.size() == q.size() && vt.size() == q.size(), "job count mismatch");
+  check_jobs(q, {kt.size(), ks.size(), vt.size(), vs.size()});
   TORCH_CHECK(kbits >= 2 && kbits <= 4 && vbits >= 2 && vbits <= 4, "codes must have 2, 3 or 4 bits");
   TORCH_CHECK(klut.dtype() == torch::kInt8 && klut.numel() == 16 && klut.is_contiguous() && vlut.dtype() == torch::kInt8 &&
               vlut.numel() == 16 && vlut.is_contiguous(), "codebooks must be 16 contiguous int8 entries");
   for (size_t j = 0; j < q.size(); ++j) {
+    TORCH_CHECK(ks[j].dim() == 2, "scales must be [H, T]");
     const int64_t H = q[j].size(0), D = q[j].size(2), nb = (ks[j].size(1) + kBlock - 1) / kBlock;
     for (const auto& [t, bits] : {std::pair{kt[j], kbits}, std::pair{vt[j], vbits}})
       TORCH_CHECK(t.dtype() == torch::kUInt8 && t.is_contiguous() && t.dim() == 4 && t.size(0) == H && t.size(1) == nb &&
@@ -689,8 +698,11 @@ torch::Tensor codebook_tiles(std::vector<torch::Tensor> pieces, std::vector<int6
   TORCH_CHECK(counts.size() == P && starts.size() == P && stops.size() == P, "one count, start and stop per piece");
   std::vector<const uint8_t*> rows;  // where each token's codes of head 0 start, in order
   std::vector<int64_t> head_stride;  // bytes from one head's codes to the next, per token
+  TORCH_CHECK(H > 0, "H must be positive");
   for (size_t p = 0; p < P; ++p) {
+    // counts[p] is bounded by the piece's bytes first (a division: the product below cannot wrap).
     TORCH_CHECK(pieces[p].dtype() == torch::kUInt8 && pieces[p].is_contiguous() && pieces[p].dim() == 1 &&
+                counts[p] >= 0 && counts[p] <= pieces[p].numel() * 8 / (H * D * bits) &&
                 pieces[p].numel() == (H * counts[p] * D * bits + 7) / 8, "piece ", p, " is not ", H, " x ", counts[p],
                 " x ", D, " packed ", bits, "-bit codes");
     TORCH_CHECK(0 <= starts[p] && starts[p] <= stops[p] && stops[p] <= counts[p], "piece ", p, ": bad token range");
