@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 from decode import FILES as DECODE_FILES
+from decode import divergences
 from machine import machine_info, say
 from prefixes import DEFAULT_DIR, prefix_kvs, stored_prompts
 
@@ -118,13 +119,16 @@ def main() -> None:
                identical=all(o.tokens == r.tokens for o, r in zip(out, ref)),
                tokens_per_round=statistics.mean(o.stats.mean_accepted for o in out),
                hidden_swap=statistics.mean(o.stats.hidden_swap_fraction for o in out))
+    row.update(divergences(out, ref))  # greedy: where outputs differ, the baseline's margin there
     row["requests_ratio"] = row["vericache_at_once"] / row["full_kv_at_once"]
     row["throughput_ratio"] = row["vericache_tok_s"] / row["full_tok_s"]
+    worst = max((d["margin"] for d in row["divergences"]), default=0.0)
     print(f"budget {budget / 2**20:.0f} MiB ({args.full_requests} full-KV requests of {args.context} tokens): "
           f"full-KV {args.full_requests} at once, {row['full_tok_s']:.1f} tok/s | VeriCache {args.compressor} "
           f"{run['full_kv']}: {run['max_active']} at once (x{row['requests_ratio']:.2f}), peak "
           f"{run['peak_kv_bytes'] / 2**20:.0f} MiB, {row['vericache_tok_s']:.1f} tok/s "
-          f"(x{row['throughput_ratio']:.2f}), identical {row['identical']}, "
+          f"(x{row['throughput_ratio']:.2f}), identical {row['identical']}"
+          f"{'' if row['identical'] else f' (differing at margins <= {worst:g})'}, "
           f"{row['tokens_per_round']:.1f} tokens/round, swap hidden {100 * row['hidden_swap']:.0f}%", flush=True)
     OUT.mkdir(exist_ok=True)
     (OUT / f"{args.name}.json").write_text(json.dumps(dict(meta=dict(**machine_info(), new_tokens=args.new_tokens,

@@ -408,15 +408,21 @@ def _row(dtype, ctx, batch, m, params, temp, ref, ref_s, out, vc_s, eng, args) -
                loops=[loops(r.tokens) for r in ref], full_kv=eng.last_run["full_kv"], int8_draft=eng.int8_draft,
                codebook_draft=eng.codebook_draft)
     row["speedup"] = row["vericache_tok_s"] / row["full_tok_s"]
-    if temp == 0:  # where greedy outputs differ: the baseline's top-1 minus top-2 logit margin there
-        row["divergences"] = []
-        for j, (o, r) in enumerate(zip(out, ref)):
-            i = next((i for i, (a, b) in enumerate(zip(o.tokens, r.tokens)) if a != b), None)
-            if i is not None:
-                row["divergences"].append(dict(request=j, step=i, margin=r.margins[i]))
-        # Identical, or every difference at an exact tie of the baseline (top-1 = top-2 logit).
-        row["differs_only_at_ties"] = all(d["margin"] == 0 for d in row["divergences"])
+    if temp == 0:
+        row.update(divergences(out, ref))
     return row
+
+
+def divergences(out, ref) -> dict:
+    """Where greedy outputs differ from the baseline's: each differing request's first differing step
+    and the baseline's top-1 minus top-2 logit margin there (``divergences``), and whether every one
+    is at an exact tie of the baseline (``differs_only_at_ties``; true when identical)."""
+    found = []
+    for j, (o, r) in enumerate(zip(out, ref)):
+        i = next((i for i, (a, b) in enumerate(zip(o.tokens, r.tokens)) if a != b), None)
+        if i is not None:
+            found.append(dict(request=j, step=i, margin=r.margins[i]))
+    return dict(divergences=found, differs_only_at_ties=all(d["margin"] == 0 for d in found))
 
 
 def _fmt(r: dict) -> str:
