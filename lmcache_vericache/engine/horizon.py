@@ -95,6 +95,7 @@ class Horizon:
     max_len: int = 64
     start_len: int = 4  # the first round's L (the module's docstring: why short)
     plain_ok: bool = False
+    swap_floor: bool = True  # a round's swap floors the next L (offload: every round swaps; resident: only the first)
     probe_ratio: float = 16.0
     plain_trial: int = 4  # plain rounds per trial (their median decides): one slow step does not
     switch_margin: float = 1.05  # the other mode must measure this much faster to be chosen
@@ -199,9 +200,10 @@ class Horizon:
             elif swap_s == 0 or not self._clean_step:
                 self._step_s = _ema(self._step_s, draft_step_s)
         # The floor L >= swap / draft step holds while rounds swap (offload: every round). With the
-        # full KV resident only the first round swaps (a stored prefix, once); keeping its floor
-        # would hold every later round to a long L that a CPU's costly verify blocks do not repay.
-        self._swap_s = _ema(self._swap_s, swap_s) if swap_s > 0 else 0.0
+        # full KV resident only the first round swaps (a stored prefix, once): its floor would hold
+        # the next round to a long L (4k, batch 1: 45 drafts where plain decoding wins) and, kept,
+        # every later round, which a CPU's costly verify blocks do not repay.
+        self._swap_s = _ema(self._swap_s, swap_s) if swap_s > 0 and self.swap_floor else 0.0
         # accepted drafts are successes; the first rejected one (if any) a failure
         self._hits = 0.8 * self._hits + sum(a for _, a in rounds)
         self._trials = 0.8 * self._trials + sum(a + (a < d) for d, a in rounds)

@@ -251,7 +251,7 @@ class VeriCacheEngine:
         verkv = self.mode == "verkv"
 
         def horizon() -> Horizon:
-            return Horizon(draft_len, cfg.max_draft_len, plain_ok=plain_ok)
+            return Horizon(draft_len, cfg.max_draft_len, plain_ok=plain_ok, swap_floor=res.mode != "resident")
 
         rounds = Rounds(self.rt, self.prefiller, self.store, chunk_size=cfg.chunk_size,
                         query_window=cfg.query_window, eos_ids=self.eos_ids, ngram=self.ngram, verkv=verkv,

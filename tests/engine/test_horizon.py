@@ -129,3 +129,13 @@ def test_the_first_rounds_are_short():
         drafted.append(h.L)
         h.update_rounds([(h.L, h.L)], T_DRAFT, 0.5 if not drafted[1:] else 0.0, verify(h.L + 1))
     assert drafted == [4, 8]
+
+
+def test_a_first_round_swap_floors_the_next_l_only_where_every_round_swaps():
+    """Offload swaps every round, so L >= swap / draft step keeps the swap hidden; with the full KV
+    resident only the first round swaps (a stored prefix), and its floor would push the second round
+    to a long L where drafting may not pay at all."""
+    for floor, want in ((True, 45), (False, 8)):
+        h = Horizon("auto", max_len=64, swap_floor=floor)
+        h.update_rounds([(4, 4)], 0.04, 1.8, 0.05)  # 4 drafts of 40 ms beside a 1.8 s swap
+        assert h.L == want
