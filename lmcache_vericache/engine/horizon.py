@@ -4,7 +4,8 @@
 
     E(L) / (L * t_draft + v(L + 1)),   E(L) = 1 + a + a^2 + ... + a^L,
 
-with ``a`` the measured per-token acceptance rate (accepted drafts over accept/reject trials),
+with ``a`` the measured per-token acceptance rate (accepted drafts over accept/reject trials, one of
+each added: :attr:`Horizon.acceptance`),
 ``t_draft`` the measured draft step (from rounds without a swap once there is one) and ``v(n)`` the
 verify forward of ``n`` tokens, from the seconds measured per block size (:func:`predict`: the median
 of the last few verifies of that size; between two measured sizes the line between those two only;
@@ -213,7 +214,7 @@ class Horizon:
             L = L_best = max(self.l_min, min(self.max_len, want))
         else:
             costs = self._costs()
-            L_best = best(self._hits / self._trials, self._step_s, lambda n: predict(costs, n),
+            L_best = best(self.acceptance, self._step_s, lambda n: predict(costs, n),
                           self.l_min, self.max_len)
             L = self._explore(L_best)
         if self.plain_ok and self._draft_rate > 0:
@@ -229,6 +230,14 @@ class Horizon:
         if L != L_best and L > 0:
             self._explored += 1
         self._choose(L, explore=L != L_best and L > 0)
+
+    @property
+    def acceptance(self) -> float:
+        """Per-token acceptance from the decayed accept / reject counts, with one of each added (the
+        rule of succession): a few rounds that accepted every draft measure a = 1, and at a = 1 every
+        longer round looks better where verify costs are flat (batch 1: 45 drafts chosen at 8k, most
+        rejected); ``0.5`` before any trial."""
+        return (self._hits + 1) / (self._trials + 2)
 
     def _choose(self, L: int, explore: bool = False) -> None:
         self.L, self._chosen = L, (L, self.round_s(L), explore)
