@@ -128,7 +128,7 @@ class CodebookPrefix:
         for li in range(self.layers):
             n0 = self.length(li)
             pieces = list(self.tail[li]) + [(b[li]["kq"], b[li]["vq"], c.num_tokens, 0) for b, c in zip(per_layer, ckvs)]
-            args = ([p[2] for p in pieces], [p[3] for p in pieces], [p[2] for p in pieces], h, d)
+            args = ([p[2] for p in pieces], [p[3] for p in pieces], h, d)
             kt = mod.codebook_tiles([p[0] for p in pieces], *args, cb.kbits, False)
             vt = mod.codebook_tiles([p[1] for p in pieces], *args, cb.vbits, True)
             whole = n0 // BLOCK  # blocks kept; the partly filled one is in the new tiles

@@ -131,7 +131,7 @@ def test_the_vector_decode_equals_int8_codes_bit_for_bit(kbits, vbits, d):
     tiles, codes = [], []
     for bits, values, lut in ((kbits, False, cb.klut), (vbits, True, cb.vlut)):
         c = torch.randint(0, 2 ** bits, (h, t, d), generator=gen, dtype=torch.uint8)
-        tiles.append(mod.codebook_tiles([pack(c, bits)], [t], [0], [t], h, d, bits, values))
+        tiles.append(mod.codebook_tiles([pack(c, bits)], [t], [0], h, d, bits, values))
         codes.append(lut[c.long()])
     ks, vs = torch.rand(h, t, generator=gen) / 50, torch.rand(h, t, generator=gen) / 50
     prefix = CodebookPrefix(cb, 1, h, [tiles[0]], [ks], [tiles[1]], [vs], [[]])
@@ -190,7 +190,7 @@ def test_bad_input_is_refused():
     assert all(torch.equal(a, b) for a, b in zip(p.kt + p.ks + p.vt + p.vs, before.kt + before.ks + before.vt + before.vs))
     mod = kernels.build("int8_attention")
     with pytest.raises(RuntimeError, match="packed 4-bit codes"):  # the kernel's own check, no product that wraps
-        mod.codebook_tiles([torch.empty(0, dtype=torch.uint8)], [2 ** 58], [0], [1], 2, 64, 4, False)
+        mod.codebook_tiles([torch.empty(0, dtype=torch.uint8)], [2 ** 58], [0], 2, 64, 4, False)
     q = torch.randn(2, 3, 64)
     with pytest.raises(RuntimeError, match="job count mismatch"):
         mod.codebook_attention([q, q], p.kt, [], p.vt, p.vs, 4, 3, p.codebook.klut, p.codebook.vlut,

@@ -535,23 +535,21 @@ void check_jobs(const std::vector<torch::Tensor>& q, std::initializer_list<size_
     TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 3, "q must be contiguous float32 [H, m, D]");
 }
 
-// What every prefix kind shares: the checks of q, the scales and the suffixes, one task per
-// (job, head) over the threads, and the suffix merge. prefix(j, h, q, out, lse, s) attends the
+// What every prefix kind shares (after check_jobs): the checks of the scales and the suffixes, one
+// task per (job, head) over the threads, and the suffix merge. prefix(j, h, q, out, lse, s) attends the
 // job's head over its prefix (T > 0), with s scratch of min(m, kMaxRows) x Tp floats.
 template <typename Prefix>
 std::vector<std::vector<torch::Tensor>> run_jobs(const std::vector<torch::Tensor>& q, const std::vector<torch::Tensor>& ks,
                                                  const std::vector<torch::Tensor>& vs, double scale,
                                                  const std::vector<torch::Tensor>& sk, const std::vector<torch::Tensor>& sv,
                                                  const std::vector<int64_t>& causal, Prefix&& prefix) {
-  const size_t jobs = q.size();
-  TORCH_CHECK(ks.size() == jobs && vs.size() == jobs, "job count mismatch");
+  const size_t jobs = q.size();  // the lists' lengths and q's shape: check_jobs, by the caller
   const bool suffix = !sk.empty();
   TORCH_CHECK(!suffix || (sk.size() == jobs && sv.size() == jobs && causal.size() == jobs),
               "sk, sv and causal must be given for every job or for none");
   std::vector<torch::Tensor> outs(jobs), lses(jobs);
   std::vector<std::pair<size_t, int64_t>> work;  // (job, head)
   for (size_t j = 0; j < jobs; ++j) {
-    TORCH_CHECK(q[j].dtype() == torch::kFloat32 && q[j].is_contiguous() && q[j].dim() == 3, "q must be contiguous float32 [H, m, D]");
     TORCH_CHECK(ks[j].dtype() == torch::kFloat32 && ks[j].is_contiguous() && vs[j].dtype() == torch::kFloat32 && vs[j].is_contiguous(),
                 "scales must be contiguous float32 [H, T]");
     const int64_t H = q[j].size(0), m = q[j].size(1), D = q[j].size(2), T = ks[j].size(1);
@@ -688,14 +686,14 @@ std::vector<std::vector<torch::Tensor>> codebook_attention(std::vector<torch::Te
 
 // Lay out codes as the tiles codebook_attention reads (see CodebookCodes). pieces[p] is one layer's
 // codes of a stored chunk of counts[p] tokens ([H, n, D] read flat, `bits` bits each, little-endian,
-// the compressor's packing); its tokens starts[p]..stops[p] are taken, all pieces' in order.
+// the compressor's packing); its tokens from starts[p] to its end are taken, all pieces' in order.
 // values: value tiles (else key tiles). Returns [H, ceil(T/16), D/16, 32 bits] uint8, padding 0.
 torch::Tensor codebook_tiles(std::vector<torch::Tensor> pieces, std::vector<int64_t> counts, std::vector<int64_t> starts,
-                             std::vector<int64_t> stops, int64_t H, int64_t D, int64_t bits, bool values) {
+                             int64_t H, int64_t D, int64_t bits, bool values) {
   TORCH_CHECK(bits >= 2 && bits <= 4, "codes must have 2, 3 or 4 bits");
   TORCH_CHECK(D % 16 == 0 && D > 0, "head size must be a multiple of 16");
   const size_t P = pieces.size();
-  TORCH_CHECK(counts.size() == P && starts.size() == P && stops.size() == P, "one count, start and stop per piece");
+  TORCH_CHECK(counts.size() == P && starts.size() == P, "one count and start per piece");
   std::vector<const uint8_t*> rows;  // where each token's codes of head 0 start, in order
   std::vector<int64_t> head_stride;  // bytes from one head's codes to the next, per token
   TORCH_CHECK(H > 0, "H must be positive");
@@ -705,9 +703,9 @@ torch::Tensor codebook_tiles(std::vector<torch::Tensor> pieces, std::vector<int6
                 counts[p] >= 0 && counts[p] <= pieces[p].numel() * 8 / (H * D * bits) &&
                 pieces[p].numel() == (H * counts[p] * D * bits + 7) / 8, "piece ", p, " is not ", H, " x ", counts[p],
                 " x ", D, " packed ", bits, "-bit codes");
-    TORCH_CHECK(0 <= starts[p] && starts[p] <= stops[p] && stops[p] <= counts[p], "piece ", p, ": bad token range");
+    TORCH_CHECK(0 <= starts[p] && starts[p] <= counts[p], "piece ", p, ": bad start token");
     const uint8_t* base = pieces[p].data_ptr<uint8_t>();
-    for (int64_t t = starts[p]; t < stops[p]; ++t) {
+    for (int64_t t = starts[p]; t < counts[p]; ++t) {
       rows.push_back(base + t * D * bits / 8);
       head_stride.push_back(counts[p] * D * bits / 8);
     }
@@ -760,7 +758,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("sk") = std::vector<torch::Tensor>{}, py::arg("sv") = std::vector<torch::Tensor>{},
         py::arg("causal") = std::vector<int64_t>{});
   m.def("codebook_tiles", &codebook_tiles, "lay out packed codebook codes as codebook_attention's tiles",
-        py::arg("pieces"), py::arg("counts"), py::arg("starts"), py::arg("stops"), py::arg("H"), py::arg("D"),
+        py::arg("pieces"), py::arg("counts"), py::arg("starts"), py::arg("H"), py::arg("D"),
         py::arg("bits"), py::arg("values"));
   m.attr("vnni") = static_cast<bool>(VERICACHE_VNNI);
   m.attr("madd") = static_cast<bool>(VERICACHE_MADD);  // the AVX2 integer path (attend_madd)
