@@ -35,3 +35,23 @@ def assert_identical(out, ref, label: str) -> None:
 def random_prompts(n: int, lengths: list[int], vocab: int = 256, seed: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (t,), generator=g).tolist() for t in lengths[:n]]
+
+
+def packed_and_dense_runs(eng, dense, prompts: list[list[int]], n_new: int) -> list[tuple[dict, float]]:
+    """Decode ``prompts`` with an engine whose draft caches keep their prefix packed (as codes) and
+    with its dense twin; both must equal full-KV greedy decoding. Returns, per engine, request ->
+    (the draft cache's packed prefix type, bytes a draft step reads, bytes of its compressed prefix)
+    after the request's first round, and the mean drafts accepted per round."""
+    ref = eng.reference(prompts, n_new)
+
+    def prefix_bytes(c):  # what a draft step reads of the compressed prefix: codes, or dense K and V
+        return c.packed.nbytes if c.packed is not None else sum(c.base) * 2 * c.k.shape[1] * c.k.shape[3] * c.k.element_size()
+
+    runs = []
+    for e in (eng, dense):
+        seen: dict = {}
+        out = e.generate(prompts, n_new, on_round=lambda r, seen=seen: seen.setdefault(
+            r.idx, (type(r.draft.packed), r.draft.read_bytes(), prefix_bytes(r.draft))))
+        assert [o.tokens for o in out] == [r.tokens for r in ref]
+        runs.append((seen, sum(sum(o.stats.accepted) for o in out) / sum(o.stats.rounds for o in out)))
+    return runs

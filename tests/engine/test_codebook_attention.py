@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from engine_helpers import random_prompts
+from engine_helpers import packed_and_dense_runs, random_prompts
 
 from lmcache_vericache import compressors
 from lmcache_vericache.compressors import formats
@@ -210,25 +210,12 @@ def test_packed_codebook_drafter_is_lossless_and_reads_fewer_bytes(tiny_model, f
     eng = VeriCacheEngine(tiny_model, *method, chunk_size=40, draft_len=6, full_kv=full_kv, codebook_draft=True)
     dense = VeriCacheEngine(tiny_model, *method, chunk_size=40, draft_len=6, full_kv=full_kv, codebook_draft=False)
     assert eng.codebook_draft and not dense.codebook_draft and not eng.int8_draft
-    ref = eng.reference(prompts, 60)
-
-    def prefix_bytes(c):  # what a draft step reads of the compressed prefix: codes, or dense K and V
-        return c.packed.nbytes if c.packed is not None else sum(c.base) * 2 * c.k.shape[1] * c.k.shape[3] * c.k.element_size()
-
-    seen, dense_seen = {}, {}
-    out = eng.generate(prompts, 60, on_round=lambda r: seen.setdefault(
-        r.idx, (type(r.draft.packed), r.draft.read_bytes(), prefix_bytes(r.draft))))
-    assert [o.tokens for o in out] == [r.tokens for r in ref]
-    out_dense = dense.generate(prompts, 60, on_round=lambda r: dense_seen.setdefault(
-        r.idx, (type(r.draft.packed), r.draft.read_bytes(), prefix_bytes(r.draft))))
-    assert [o.tokens for o in out_dense] == [r.tokens for r in ref]
+    (seen, acc), (dense_seen, acc_dense) = packed_and_dense_runs(eng, dense, prompts, 60)
     assert all(kind is CodebookPrefix for kind, *_ in seen.values())
     assert all(kind is type(None) for kind, *_ in dense_seen.values())
     for i in seen:  # 3.5 bits + a 4-byte scale per (head, token) and side against 4 bytes per element
         assert 0 < seen[i][2] < 0.35 * dense_seen[i][2]
         assert seen[i][1] < dense_seen[i][1]
-    acc = sum(sum(o.stats.accepted) for o in out) / sum(o.stats.rounds for o in out)
-    acc_dense = sum(sum(o.stats.accepted) for o in out_dense) / sum(o.stats.rounds for o in out_dense)
     assert abs(acc - acc_dense) < 1.0
 
 

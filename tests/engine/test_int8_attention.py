@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import random_prompts
+from engine_helpers import packed_and_dense_runs, random_prompts
 
 from lmcache_vericache.engine import VeriCacheEngine, int8_attention
+from lmcache_vericache.engine.int8_attention import Int8Prefix
 from lmcache_vericache.engine.runtime import attend
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
@@ -138,26 +139,14 @@ def test_packed_int8_drafter_is_lossless_and_reads_fewer_bytes(tiny_model, metho
     eng = VeriCacheEngine(tiny_model, *method, chunk_size=64, draft_len=6, full_kv=full_kv)
     dense = VeriCacheEngine(tiny_model, *method, chunk_size=64, draft_len=6, full_kv=full_kv, int8_draft=False)
     assert eng.int8_draft and not dense.int8_draft
-    ref = eng.reference(prompts, 60)
-
-    def prefix_bytes(c):  # what a draft step reads of the compressed prefix: codes, or dense K and V
-        return c.packed.nbytes if c.packed is not None else sum(c.base) * 2 * c.k.shape[1] * c.k.shape[3] * c.k.element_size()
-
-    seen, dense_seen = {}, {}  # request -> (packed, bytes read, prefix bytes) after its first round
-    out = eng.generate(prompts, 60, on_round=lambda r: seen.setdefault(
-        r.idx, (r.draft.packed is not None, r.draft.read_bytes(), prefix_bytes(r.draft))))
-    assert [o.tokens for o in out] == [r.tokens for r in ref]
-    out_dense = dense.generate(prompts, 60, on_round=lambda r: dense_seen.setdefault(
-        r.idx, (r.draft.packed is not None, r.draft.read_bytes(), prefix_bytes(r.draft))))
-    assert [o.tokens for o in out_dense] == [r.tokens for r in ref]
-    assert all(packed for packed, *_ in seen.values()) and not any(packed for packed, *_ in dense_seen.values())
+    (seen, acc), (dense_seen, acc_dense) = packed_and_dense_runs(eng, dense, prompts, 60)
+    assert all(kind is Int8Prefix for kind, *_ in seen.values())
+    assert all(kind is type(None) for kind, *_ in dense_seen.values())
     for i in seen:  # same prefix, 1 byte per element + a 4-byte scale per (head, token) instead of 4
         # bytes: (D + 4) / 4D of the dense prefix (0.31 for D = 16) plus block padding
         assert 0 < seen[i][2] < 0.4 * dense_seen[i][2]
         assert seen[i][1] < dense_seen[i][1]
     # drafts are (nearly) those of the dense int8 drafter: acceptance within a token a round
-    acc = sum(sum(o.stats.accepted) for o in out) / sum(o.stats.rounds for o in out)
-    acc_dense = sum(sum(o.stats.accepted) for o in out_dense) / sum(o.stats.rounds for o in out_dense)
     assert abs(acc - acc_dense) < 1.0
 
 
