@@ -5,11 +5,21 @@ With 1-200 rows the weights are most of a step's bytes, and the BLAS behind ``F.
 from that bound on an AVX2-only CPU, bf16 weights (no bf16 arithmetic there) furthest
 (``benchmarks/linear.py`` measures both paths; docs/benchmarks.md). On the kernel's path (up to
 ``MAX_ROWS`` rows) a row's output does not depend on the rows that share its call.
+
+bf16 weights on a CPU with bf16 arithmetic: the kernel's AVX512-BF16 dot path (no widening) where
+the CPU has no AMX tiles. Measured on a 2-core AMD EPYC (AVX512-BF16, no AMX), SmolLM2's 30 layers:
+8 rows 13.9 ms against oneDNN's 20.8, 136 rows 94.8 against 83.2. It is taken for the verify blocks'
+rows too, though oneDNN is 12% faster there: one path for every row count means a verify block
+computes the linear layers of each of its tokens bit for bit as that token's decode step does, so
+bf16 VeriCache and full-KV decoding round alike. With AMX tiles oneDNN multiplies there (not
+measured against the kernel yet). ``VERICACHE_LINEAR`` (``auto``, ``kernel``, ``blas``) overrides
+the choice for bf16 weights (A/B runs).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -25,21 +35,43 @@ MAX_ROWS = 256
 
 @functools.cache
 def _bf16_arithmetic() -> bool:
-    """The CPU multiplies bf16 itself (AVX512-BF16 or AMX): the BLAS's bf16 path is then the fast one."""
+    """The CPU multiplies bf16 itself (AVX512-BF16 or AMX): bf16 weights then need no widening."""
     flags = kernels._cpu_flags().split()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+@functools.cache
+def _amx() -> bool:
+    return "amx_bf16" in kernels._cpu_flags().split()
+
+
+LINEAR_PATHS = ("auto", "kernel", "blas")
+
+
+def bf16_path(mod) -> str:
+    """Where bf16 weights are multiplied (the module's docstring): ``kernel`` or ``blas``, ``auto`` the
+    kernel where the CPU has no bf16 arithmetic, or has AVX512-BF16 (``mod.bf16_dot``) and no AMX."""
+    choice = os.environ.get("VERICACHE_LINEAR", "auto")
+    if choice not in LINEAR_PATHS:
+        raise ValueError(f"VERICACHE_LINEAR must be one of {', '.join(LINEAR_PATHS)}, got {choice!r}")
+    if choice != "auto":
+        return choice
+    if not _bf16_arithmetic():
+        return "kernel"
+    return "kernel" if mod.bf16_dot and not _amx() else "blas"
+
+
 def kernel_for(x: Tensor, weight: Tensor):
     """The kernel's module where it takes ``x [N, in]`` (any N) and ``weight``, else ``None``:
-    CPU tensors of one dtype, fp32, or bf16 on a CPU without bf16 arithmetic; ``in`` a multiple
-    of the vector width."""
+    CPU tensors of one dtype, fp32 or bf16 (bf16: where :func:`bf16_path` says ``kernel``); ``in``
+    a multiple of the vector width."""
     if (x.device.type != "cpu" or weight.device.type != "cpu" or x.dim() != 2 or x.dtype != weight.dtype
-            or not weight.is_contiguous() or weight.dtype not in (torch.float32, torch.bfloat16)
-            or (weight.dtype == torch.bfloat16 and _bf16_arithmetic())):
+            or not weight.is_contiguous() or weight.dtype not in (torch.float32, torch.bfloat16)):
         return None
     mod = kernels.build("linear")
-    return mod if mod is not None and x.shape[1] % mod.vec_width == 0 else None
+    if mod is None or x.shape[1] % mod.vec_width != 0:
+        return None
+    return mod if weight.dtype == torch.float32 or bf16_path(mod) == "kernel" else None
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

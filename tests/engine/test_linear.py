@@ -33,11 +33,16 @@ def test_the_kernel_computes_x_times_w_transposed(dtype, rows):
         y = mod.linear(x, w)
         assert y.dtype == torch.float32 and y.shape == (rows, n)
         torch.testing.assert_close(y.double(), _exact(x, w), atol=1e-4 * k ** 0.5, rtol=1e-5)
-        # bf16 rows: widened, the float sums rounded to bf16 once (as .to() rounds them)
+        # bf16 rows: the float sums rounded to bf16 once (as .to() rounds them); bf16 weights with
+        # K % 32 == 0 on an AVX512-BF16 build take the pair dot products (another summation order)
         xb = x.bfloat16()
         yb = mod.linear(xb, w)
         assert yb.dtype == torch.bfloat16
-        assert torch.equal(yb, mod.linear(xb.float(), w).bfloat16())
+        if mod.bf16_dot and dtype == torch.bfloat16 and k % 32 == 0:
+            exact = _exact(xb, w)
+            assert ((yb.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-4 * k ** 0.5).all()
+        else:
+            assert torch.equal(yb, mod.linear(xb.float(), w).bfloat16())
 
 
 @needs_compiler
@@ -46,14 +51,16 @@ def test_a_row_does_not_depend_on_the_rows_beside_it():
     a decode step and a verify block compute the same linear layers."""
     mod = kernels.build("linear")
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(23, 576, generator=g)
+    x32 = torch.randn(23, 576, generator=g)
     for dtype in (torch.float32, torch.bfloat16):
         w = torch.randn(200, 576, generator=g).to(dtype)
-        full = mod.linear(x, w)
-        for m in (0, 5, 21, 22):
-            assert torch.equal(mod.linear(x[m:m + 1].contiguous(), w)[0], full[m])
-        for a, b in ((3, 10), (21, 23), (0, 4)):  # blocks of 4 + 3-row tail, a 2-row tail, one block
-            assert torch.equal(mod.linear(x[a:b].contiguous(), w), full[a:b])
+        # bf16 rows of bf16 weights: the AVX512-BF16 dot path where the build has it
+        for x in (x32, x32.to(dtype)):
+            full = mod.linear(x, w)
+            for m in (0, 5, 21, 22):
+                assert torch.equal(mod.linear(x[m:m + 1].contiguous(), w)[0], full[m])
+            for a, b in ((3, 10), (21, 23), (0, 4)):  # blocks of 4 + 3-row tail, a 2-row tail, one block
+                assert torch.equal(mod.linear(x[a:b].contiguous(), w), full[a:b])
 
 
 @needs_compiler
@@ -100,13 +107,25 @@ def test_linear_is_f_linear_in_the_input_dtype(dtype, rows):
 
 
 @needs_compiler
-def test_linear_takes_the_kernel_for_decode_rows_here():
-    """The dispatch picks the kernel for a decode step's rows of fp32 weights (and of bf16 ones where
-    the CPU has no bf16 arithmetic), so the tests above cover the path the engine runs."""
+def test_linear_takes_the_kernel_for_decode_rows_here(monkeypatch):
+    """The dispatch picks the kernel for a decode step's rows of fp32 weights, and of bf16 ones
+    where the CPU has no bf16 arithmetic or has AVX512-BF16 without AMX tiles (oneDNN's there), so
+    the tests above cover the path the engine runs; ``VERICACHE_LINEAR`` forces a path."""
+    mod = kernels.build("linear")
     x, w = torch.randn(8, 576), torch.randn(64, 576)
     assert lin.kernel_for(x, w) is not None
-    assert (lin.kernel_for(x.bfloat16(), w.bfloat16()) is None) == lin._bf16_arithmetic()
-    assert torch.equal(lin.linear(x, w), kernels.build("linear").linear(x, w))
+    kernel_here = not lin._bf16_arithmetic() or (mod.bf16_dot and not lin._amx())
+    assert (lin.kernel_for(x.bfloat16(), w.bfloat16()) is not None) == kernel_here
+    assert torch.equal(lin.linear(x, w), mod.linear(x, w))
+    xb, wb = x.bfloat16(), w.bfloat16()
+    monkeypatch.setenv("VERICACHE_LINEAR", "kernel")
+    assert lin.kernel_for(xb, wb) is mod and torch.equal(lin.linear(xb, wb), mod.linear(xb, wb))
+    monkeypatch.setenv("VERICACHE_LINEAR", "blas")
+    assert lin.kernel_for(xb, wb) is None and torch.equal(lin.linear(xb, wb), F.linear(xb, wb))
+    assert lin.kernel_for(x, w) is mod  # fp32 weights: the kernel whatever the choice for bf16
+    monkeypatch.setenv("VERICACHE_LINEAR", "onednn")
+    with pytest.raises(ValueError, match="VERICACHE_LINEAR must be one of auto, kernel, blas"):
+        lin.linear(xb, wb)
 
 
 def test_hf_models_layers_go_through_linear_and_match_hf(monkeypatch):

@@ -23,6 +23,16 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX512BF16__) && !defined(VERICACHE_VEC_WIDTH)
+#include <immintrin.h>
+// bf16 rows times bf16 weights on CPUs with AVX512-BF16: vdpbf16ps multiplies 32 pairs per
+// instruction with no widening (block_dot); the widening path stays for everything else.
+constexpr bool kBf16Dot = true;
+#else
+constexpr bool kBf16Dot = false;
+#endif
+constexpr int64_t kDotW = 32;  // bf16 elements per vdpbf16ps
+
 namespace {
 
 using vericache::kVecRegs;
@@ -67,6 +77,60 @@ inline void block(const float* __restrict__ x, const T* __restrict__ w0, int64_t
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < cols; ++j) y[r * ldy + j] = static_cast<TY>(lane_sum(acc[r][j]));
 }
+
+#if defined(__AVX512BF16__) && !defined(VERICACHE_VEC_WIDTH)
+// block() for bf16 x and w, K a multiple of kDotW: lane l of an accumulator sums the products of
+// k = kDotW i + 2 l and + 2 l + 1 in order of i (vdpbf16ps adds each pair to its lane), the lanes
+// then in a fixed tree (_mm512_reduce_add_ps: 4 shuffle-adds, where 16 scalar adds per output cost
+// as much as the products at K = 576), so a row's result still depends on x[m] and w only.
+template <int R>
+inline void block_dot(const c10::BFloat16* __restrict__ x, const c10::BFloat16* __restrict__ w0, int64_t K,
+                      int cols, c10::BFloat16* __restrict__ y, int64_t ldy) {
+  __m512 acc[R][kCols];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kCols; ++j) acc[r][j] = _mm512_setzero_ps();
+  const c10::BFloat16* wr[kCols];
+  for (int j = 0; j < kCols; ++j) wr[j] = w0 + std::min(j, cols - 1) * K;
+  for (int64_t k = 0; k < K; k += kDotW) {
+    __m512bh wv[kCols];
+    for (int j = 0; j < kCols; ++j) {
+      __builtin_prefetch(wr[j] + k + kAhead);
+      wv[j] = (__m512bh)_mm512_loadu_si512(wr[j] + k);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * K + k);
+      for (int j = 0; j < kCols; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < cols; ++j) y[r * ldy + j] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[r][j]));
+}
+
+torch::Tensor run_dot(const torch::Tensor& x, const torch::Tensor& w) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  const auto* wp = w.data_ptr<c10::BFloat16>();
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  const int64_t col_blocks = (N + kCols - 1) / kCols;
+  at::parallel_for(0, col_blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * kCols;
+      const int cols = static_cast<int>(std::min<int64_t>(kCols, N - n0));
+      const auto* w0 = wp + n0 * K;
+      int64_t m = 0;
+      for (; m + kRowsMax <= M; m += kRowsMax) block_dot<kRowsMax>(xp + m * K, w0, K, cols, yp + m * N + n0, N);
+      switch (M - m) {
+        case 3: block_dot<3>(xp + m * K, w0, K, cols, yp + m * N + n0, N); break;
+        case 2: block_dot<2>(xp + m * K, w0, K, cols, yp + m * N + n0, N); break;
+        case 1: block_dot<1>(xp + m * K, w0, K, cols, yp + m * N + n0, N); break;
+        default: break;
+      }
+    }
+  });
+  return y;
+}
+#endif
 
 template <typename T, typename TY>
 torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w) {
@@ -119,10 +183,14 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w) {
               "x must be contiguous float32 or bfloat16 [M, K]");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1), "w must be contiguous [N, K] with x's K");
   TORCH_CHECK(x.size(1) % kW == 0, "K must be a multiple of ", kW, ", got ", x.size(1));
+#if defined(__AVX512BF16__) && !defined(VERICACHE_VEC_WIDTH)
+  if (x.dtype() == torch::kBFloat16 && w.dtype() == torch::kBFloat16 && x.size(1) % kDotW == 0) return run_dot(x, w);
+#endif
   return x.dtype() == torch::kFloat32 ? run_weights<float>(x, w) : run_weights<c10::BFloat16>(x, w);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x . w^T for a few rows of x, in x's dtype (float32 sums)", py::arg("x"), py::arg("w"));
   m.attr("vec_width") = kW;
+  m.attr("bf16_dot") = kBf16Dot;  // bf16 x bf16 with K % 32 == 0 runs block_dot
 }
