@@ -252,6 +252,32 @@ def test_the_dense_kernel_masks_a_verify_block_causally(s, n):
         mod.dense_attention(q, k, v, 0.125, causal=n + 1)
 
 
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler: the PyTorch path is taken")
+@pytest.mark.parametrize("s", [517, 1030, 1537])
+def test_a_verify_row_is_its_decode_step_bit_for_bit(s):
+    """bf16 pair dot products (AVX512-BF16, and the AMX tiles that share their numerics): row i of a
+    causal block of n tokens over s entries equals the decode step of token i (its GQA group alone
+    over the entries up to its own) bit for bit. Tiles, masked entries and the blocking of rows and
+    tokens leave a row's sums as they are, so a verify block and full-KV decoding round bf16 alike
+    (odd tile ends: the path pairs tokens). The fp32-arithmetic path scores a decode step's few rows
+    as dot products (another order), so it agrees to float rounding only."""
+    mod = kernels.build("dense_attention")
+    paths = [dict(dpbf16=True)] * mod.dpbf16 + [dict(amx=True)] * mod.amx
+    if not paths:
+        pytest.skip("no AVX512-BF16 or AMX on this CPU")
+    g = torch.Generator().manual_seed(s)
+    n, group = 17, 3
+    q = torch.randn(3, group * n, 64, generator=g).bfloat16().float()
+    k, v = torch.randn(3, s, 64, generator=g).bfloat16(), torch.randn(3, s, 64, generator=g).bfloat16()
+    for path in paths:
+        block, block_lse = mod.dense_attention(q, k, v, 0.125, causal=n, **path)
+        for i in range(n):
+            rows = [j * n + i for j in range(group)]  # row j * n + i: GQA member j, token i
+            end = s - n + i + 1
+            step, step_lse = mod.dense_attention(q[:, rows].contiguous(), k[:, :end], v[:, :end], 0.125, **path)
+            assert torch.equal(step, block[:, rows]) and torch.equal(step_lse, block_lse[:, rows]), (path, i)
+
+
 def test_the_attention_path_follows_the_cpu_and_the_override(monkeypatch):
     """auto: the AMX tiles for bf16 where the kernel has them (decode steps and verify blocks), the
     AVX path otherwise and for fp32; VERICACHE_ATTENTION forces a path for A/B runs (flash only for

@@ -244,33 +244,51 @@ inline u16x bf16_bits(v16 x) {
   return (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
 }
 
+// Scores s [nt, mp] of RV row vectors from ib on, U tokens at a time: RV x U accumulators (16 cover
+// vdpbf16ps's latency, which the U = 4 chains of a single row vector did not), each q pair vector
+// loaded once per U tokens, each k word broadcast once per RV row vectors. Every row's sum runs over
+// e in order whatever RV and U: a decode row scores as the same row of a verify block does.
+template <int D, int RV, int U>
+inline void score_dp(const uint32_t* __restrict__ qp, int64_t mp, int64_t ib, const uint16_t* __restrict__ kb,
+                     int64_t nt, __m512 vscale, float* __restrict__ s) {
+  for (int64_t t = 0; t < nt; t += U) {
+    const int64_t nu = std::min<int64_t>(U, nt - t);
+    __m512 acc[RV][U];
+    for (int r = 0; r < RV; ++r)
+      for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
+    for (int e = 0; e < D / 2; ++e) {
+      __m512bh qv[RV];
+      for (int r = 0; r < RV; ++r) qv[r] = (__m512bh)_mm512_loadu_si512(qp + e * mp + ib + r * kRows);
+      for (int u = 0; u < U; ++u) {
+        const int64_t tu = t + std::min<int64_t>(u, nu - 1);  // past nt: a repeat, never stored
+        uint32_t word;
+        std::memcpy(&word, kb + tu * D + 2 * e, sizeof word);
+        const __m512bh kw = (__m512bh)_mm512_set1_epi32(static_cast<int>(word));
+        for (int r = 0; r < RV; ++r) acc[r][u] = _mm512_dpbf16_ps(acc[r][u], qv[r], kw);
+      }
+    }
+    for (int u = 0; u < nu; ++u)
+      for (int r = 0; r < RV; ++r) _mm512_storeu_ps(s + (t + u) * mp + ib + r * kRows, _mm512_mul_ps(acc[r][u], vscale));
+  }
+}
+
 // tile for a bf16 cache with vdpbf16ps. qp is [D/2, mp] words of bf16 pairs (q[i][2e], q[i][2e+1]),
-// unscaled; p is a [ceil(nt/2), mp] scratch of bf16 probability pairs (p[t][i], p[t+1][i]).
+// unscaled; p is a [ceil(nt/2), mp] scratch of bf16 probability pairs (p[t][i], p[t+1][i]); acc a
+// [m, D] float scratch.
 template <int D>
 void tile_dp(const uint32_t* __restrict__ qp, int64_t m, int64_t mp, const at::BFloat16* __restrict__ k,
              const at::BFloat16* __restrict__ v, int64_t nt, int64_t first, int64_t n, float scale, float* __restrict__ s,
-             uint32_t* __restrict__ p, float* __restrict__ mx, float* __restrict__ sum, float* __restrict__ o) {
+             uint32_t* __restrict__ p, float* __restrict__ acc_rows, float* __restrict__ mx, float* __restrict__ sum,
+             float* __restrict__ o) {
   const uint16_t* kb = reinterpret_cast<const uint16_t*>(k);
   const uint16_t* vb = reinterpret_cast<const uint16_t*>(v);
   const __m512 vscale = _mm512_set1_ps(scale);
-  // scores: kTok tokens share each q pair vector; a token's (k[2e], k[2e+1]) is one 32-bit word
-  for (int64_t t = 0; t < nt; t += kTok) {
-    const int64_t nu = std::min<int64_t>(kTok, nt - t);
-    for (int64_t ib = 0; ib < mp; ib += kRows) {
-      __m512 acc[kTok];
-      for (int u = 0; u < kTok; ++u) acc[u] = _mm512_setzero_ps();
-      for (int e = 0; e < D / 2; ++e) {
-        const __m512bh qv = (__m512bh)_mm512_loadu_si512(qp + e * mp + ib);
-        for (int u = 0; u < kTok; ++u) {
-          const int64_t tu = t + std::min<int64_t>(u, nu - 1);  // past nt: a repeat, never stored
-          uint32_t word;
-          std::memcpy(&word, kb + tu * D + 2 * e, sizeof word);
-          acc[u] = _mm512_dpbf16_ps(acc[u], qv, (__m512bh)_mm512_set1_epi32(static_cast<int>(word)));
-        }
-      }
-      for (int u = 0; u < nu; ++u) _mm512_storeu_ps(s + (t + u) * mp + ib, _mm512_mul_ps(acc[u], vscale));
-    }
-  }
+  // scores: blocks of 4 row vectors (a verify block's 3 x 17 rows: 64), the rest one at a time
+  // with 8 tokens (a decode step's GQA group: one row vector)
+  int64_t ib = 0;
+  for (; ib + 4 * kRows <= mp; ib += 4 * kRows) score_dp<D, 4, 4>(qp, mp, ib, kb, nt, vscale, s);
+  for (; ib + 2 * kRows <= mp; ib += 2 * kRows) score_dp<D, 2, 8>(qp, mp, ib, kb, nt, vscale, s);
+  for (; ib < mp; ib += kRows) score_dp<D, 1, 8>(qp, mp, ib, kb, nt, vscale, s);
   // softmax numerators (fp32) and their sums, then the probabilities as bf16 token pairs
   mask_block(s, nt, mp, first, n);
   softmax_numerators(s, nt, mp, mx, sum);
@@ -281,41 +299,51 @@ void tile_dp(const uint32_t* __restrict__ qp, int64_t m, int64_t mp, const at::B
       const u16x w = lo | (hi << 16);
       std::memcpy(p + (t / 2) * mp + ib, &w, sizeof w);
     }
-  // o = p v: rows r of a block, V rows t and t+1 interleaved into bf16 pairs. unpacklo/hi work per
-  // 128-bit lane, so accumulator j of a 32-wide piece holds dim 8 (j / 4) + j % 4 (lo) or that + 4
-  // (hi); the order is undone once per row at the end.
+  // o = p v: rows r of a block, V rows t and t+1 interleaved into bf16 pairs, once per slice of
+  // kPairs pairs (kept in L1 for every block of rows; interleaving them per block of rows cost a
+  // shuffle per 4 products). unpacklo/hi work per 128-bit lane, so accumulator j of a 32-wide piece
+  // holds dim 8 (j / 4) + j % 4 (lo) or that + 4 (hi); the order is undone once per row at the end.
+  // A row's sums run over the pairs in order, through acc_rows between slices, whatever its block.
   constexpr int kPieces = D / 32, kR = D == 64 ? 4 : 2;  // 2 * kPieces * kR = 16 accumulators
+  constexpr int64_t kPairs = 16;
   const __m512i zero = _mm512_setzero_si512();
-  for (int64_t ib = 0; ib < m; ib += kR) {
-    __m512 acc[kR][2 * kPieces];
-    for (int r = 0; r < kR; ++r)
-      for (int j = 0; j < 2 * kPieces; ++j) acc[r][j] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < nt; t += 2) {
-      __m512bh vv[2 * kPieces];
+  __m512bh vv[kPairs][2 * kPieces];
+  for (int64_t t0 = 0; t0 < nt; t0 += 2 * kPairs) {
+    const int64_t pairs = std::min<int64_t>(kPairs, (nt - t0 + 1) / 2);
+    for (int64_t q = 0; q < pairs; ++q) {
+      const int64_t t = t0 + 2 * q;
       for (int c = 0; c < kPieces; ++c) {
         const __m512i a = _mm512_loadu_si512(vb + t * D + 32 * c);
         const __m512i b = t + 1 < nt ? _mm512_loadu_si512(vb + (t + 1) * D + 32 * c) : zero;
-        vv[2 * c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
-        vv[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
-      }
-      const uint32_t* __restrict__ pt = p + (t / 2) * mp + ib;  // rows past m: padded, discarded
-      for (int r = 0; r < kR; ++r) {
-        const __m512bh pr = (__m512bh)_mm512_set1_epi32(static_cast<int>(pt[r]));
-        for (int j = 0; j < 2 * kPieces; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], vv[j], pr);
+        vv[q][2 * c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+        vv[q][2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
       }
     }
-    for (int64_t r = 0; r < std::min<int64_t>(kR, m - ib); ++r) {
-      float* __restrict__ orow = o + (ib + r) * D;
-      for (int c = 0; c < kPieces; ++c) {
-        float lo[16], hi[16];
-        _mm512_storeu_ps(lo, acc[r][2 * c]);
-        _mm512_storeu_ps(hi, acc[r][2 * c + 1]);
-        for (int j = 0; j < 16; ++j) {
-          orow[32 * c + 8 * (j / 4) + j % 4] = lo[j];
-          orow[32 * c + 8 * (j / 4) + 4 + j % 4] = hi[j];
+    for (int64_t ib = 0; ib < m; ib += kR) {
+      const int64_t rows = std::min<int64_t>(kR, m - ib);
+      __m512 acc[kR][2 * kPieces];
+      for (int r = 0; r < kR; ++r)
+        for (int j = 0; j < 2 * kPieces; ++j)
+          acc[r][j] = t0 == 0 || r >= rows ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_rows + (ib + r) * D + 16 * j);
+      for (int64_t q = 0; q < pairs; ++q) {
+        const uint32_t* __restrict__ pt = p + (t0 / 2 + q) * mp + ib;  // rows past m: padded, discarded
+        for (int r = 0; r < kR; ++r) {
+          const __m512bh pr = (__m512bh)_mm512_set1_epi32(static_cast<int>(pt[r]));
+          for (int j = 0; j < 2 * kPieces; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], vv[q][j], pr);
         }
       }
+      for (int64_t r = 0; r < rows; ++r)
+        for (int j = 0; j < 2 * kPieces; ++j) _mm512_storeu_ps(acc_rows + (ib + r) * D + 16 * j, acc[r][j]);
     }
+  }
+  for (int64_t r = 0; r < m; ++r) {
+    const float* __restrict__ a = acc_rows + r * D;
+    float* __restrict__ orow = o + r * D;
+    for (int c = 0; c < kPieces; ++c)
+      for (int j = 0; j < 16; ++j) {
+        orow[32 * c + 8 * (j / 4) + j % 4] = a[32 * c + j];
+        orow[32 * c + 8 * (j / 4) + 4 + j % 4] = a[32 * c + 16 + j];
+      }
   }
 }
 #endif
@@ -371,6 +399,7 @@ std::vector<torch::Tensor> run(const torch::Tensor& q, const torch::Tensor& k, c
 #endif
     std::vector<float> s(static_cast<size_t>(kTile * mp + kPvRows));  // + the slack pv_rows may read
     std::vector<uint32_t> p(dp ? static_cast<size_t>(kTile / 2 * mp) : 0);
+    std::vector<float> acc_rows(dp ? static_cast<size_t>(m * D) : 0);
     for (int64_t w = begin; w < end; ++w) {
       const int64_t h = w / tiles, t0 = (w % tiles) * kTile, nt = std::min(kTile, S - t0);
       float* mxw = part_mx.data() + w * mp;
@@ -381,7 +410,7 @@ std::vector<torch::Tensor> run(const torch::Tensor& q, const torch::Tensor& k, c
         if (dp) {
           tile_dp<D>(qpairs.data() + h * D / 2 * mp, m, mp, kp + h * ks + t0 * D, vp + h * vs + t0 * D, nt,
                      S - causal - t0, causal, scale,
-                     s.data(), p.data(), mxw, sumw, ow);
+                     s.data(), p.data(), acc_rows.data(), mxw, sumw, ow);
           continue;
         }
       }
