@@ -9,9 +9,10 @@ from that bound on an AVX2-only CPU, bf16 weights (no bf16 arithmetic there) fur
 bf16 weights on a CPU with bf16 arithmetic: the kernel's AVX512-BF16 dot path (no widening) where
 the CPU has no AMX tiles. Measured on a 2-core AMD EPYC (AVX512-BF16, no AMX), SmolLM2's 30 layers:
 8 rows 13.9 ms against oneDNN's 20.8, 136 rows 94.8 against 83.2. It is taken for the verify blocks'
-rows too, though oneDNN is 12% faster there: one path for every row count means a verify block
-computes the linear layers of each of its tokens bit for bit as that token's decode step does, so
-bf16 VeriCache and full-KV decoding round alike. With AMX tiles oneDNN multiplies there (not
+rows too, though oneDNN is 12% faster there: one path for every row count up to ``MAX_ROWS`` means
+a verify block computes the linear layers of each of its tokens bit for bit as that token's decode
+step does, so bf16 VeriCache and full-KV decoding round alike (a verify of more rows, batch x
+(L + 1) > ``MAX_ROWS``, takes oneDNN and may round apart). With AMX tiles oneDNN multiplies there (not
 measured against the kernel yet). ``VERICACHE_LINEAR`` (``auto``, ``kernel``, ``blas``) overrides
 the choice for bf16 weights (A/B runs).
 """
@@ -80,7 +81,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if mod is not None and x.shape[0] <= MAX_ROWS:
         if bias is None:
             return mod.linear(x.contiguous(), weight)  # x's dtype out: no conversions around the call
-        y = mod.linear(x.float().contiguous(), weight)  # the bias added to the float sums, rounded once
+        y = mod.linear(x.contiguous(), weight, float_out=True)  # the bias added to the float sums, rounded once
         y += bias
         return y.to(x.dtype)
     if (x.device.type == "cpu" and x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2

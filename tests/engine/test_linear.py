@@ -28,7 +28,7 @@ def test_the_kernel_computes_x_times_w_transposed(dtype, rows):
     against float64 from the same (bf16-rounded) weights."""
     mod = kernels.build("linear")
     g = torch.Generator().manual_seed(rows)
-    for k, n in ((576, 191), (1536, 576), (64, 7)):
+    for k, n in ((576, 191), (1536, 576), (64, 7), (80, 13)):  # 80: bf16 rows widened (K % 32 != 0)
         x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g).to(dtype)
         y = mod.linear(x, w)
         assert y.dtype == torch.float32 and y.shape == (rows, n)
@@ -55,7 +55,7 @@ def test_a_row_does_not_depend_on_the_rows_beside_it():
     for dtype in (torch.float32, torch.bfloat16):
         w = torch.randn(200, 576, generator=g).to(dtype)
         # bf16 rows of bf16 weights: the AVX512-BF16 dot path where the build has it
-        for x in (x32, x32.to(dtype)):
+        for x in (x32, x32.bfloat16()):
             full = mod.linear(x, w)
             for m in (0, 5, 21, 22):
                 assert torch.equal(mod.linear(x[m:m + 1].contiguous(), w)[0], full[m])
@@ -88,6 +88,29 @@ def test_the_kernel_gives_the_same_result_at_every_vector_width():
     for dtype in (torch.float32, torch.bfloat16):
         x, w = torch.randn(9, 576, generator=g), torch.randn(70, 576, generator=g).to(dtype)
         torch.testing.assert_close(other.linear(x, w), native.linear(x, w), atol=1e-4, rtol=1e-5)
+        # bf16 rows (the dot path where one build has it): float sums in another order
+        xb = x.bfloat16()
+        torch.testing.assert_close(other.linear(xb, w, float_out=True), native.linear(xb, w, float_out=True),
+                                   atol=1e-3, rtol=1e-4)
+
+
+@needs_compiler
+def test_float_out_gives_the_sums_a_bias_is_added_to():
+    """``float_out``: the float32 sums before the one rounding, for every x dtype (bf16 rows of bf16
+    weights: the dot path), rows still independent of the rows beside them; linear() adds a bias to
+    them and rounds once."""
+    mod = kernels.build("linear")
+    g = torch.Generator().manual_seed(5)
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w = torch.randn(11, 576, generator=g).to(dtype), torch.randn(50, 576, generator=g).to(dtype)
+        y = mod.linear(x, w, float_out=True)
+        assert y.dtype == torch.float32
+        torch.testing.assert_close(y.double(), _exact(x, w), atol=1e-4 * 576 ** 0.5, rtol=1e-4)
+        assert torch.equal(mod.linear(x, w).float(), y.to(dtype).float())  # rounded once, either way
+        assert torch.equal(mod.linear(x[3:5].contiguous(), w, float_out=True), y[3:5])
+        if lin.kernel_for(x, w) is mod:
+            b = torch.randn(50, generator=g).to(dtype)
+            assert torch.equal(lin.linear(x, w, b), (y + b).to(dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

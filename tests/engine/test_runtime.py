@@ -254,7 +254,8 @@ def test_the_dense_kernel_masks_a_verify_block_causally(s, n):
 
 @pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler: the PyTorch path is taken")
 @pytest.mark.parametrize("s", [517, 1030, 1537])
-def test_a_verify_row_is_its_decode_step_bit_for_bit(s):
+@pytest.mark.parametrize("d, group, n", [(64, 3, 17), (128, 3, 17), (64, 2, 9)])  # 64, 64, 32 padded rows
+def test_a_verify_row_is_its_decode_step_bit_for_bit(s, d, group, n):
     """bf16 pair dot products (AVX512-BF16, and the AMX tiles that share their numerics): row i of a
     causal block of n tokens over s entries equals the decode step of token i (its GQA group alone
     over the entries up to its own) bit for bit. Tiles, masked entries and the blocking of rows and
@@ -266,15 +267,14 @@ def test_a_verify_row_is_its_decode_step_bit_for_bit(s):
     if not paths:
         pytest.skip("no AVX512-BF16 or AMX on this CPU")
     g = torch.Generator().manual_seed(s)
-    n, group = 17, 3
-    q = torch.randn(3, group * n, 64, generator=g).bfloat16().float()
-    k, v = torch.randn(3, s, 64, generator=g).bfloat16(), torch.randn(3, s, 64, generator=g).bfloat16()
+    q = torch.randn(3, group * n, d, generator=g).bfloat16().float()
+    k, v = torch.randn(3, s, d, generator=g).bfloat16(), torch.randn(3, s, d, generator=g).bfloat16()
     for path in paths:
-        block, block_lse = mod.dense_attention(q, k, v, 0.125, causal=n, **path)
+        block, block_lse = mod.dense_attention(q, k, v, d ** -0.5, causal=n, **path)
         for i in range(n):
             rows = [j * n + i for j in range(group)]  # row j * n + i: GQA member j, token i
             end = s - n + i + 1
-            step, step_lse = mod.dense_attention(q[:, rows].contiguous(), k[:, :end], v[:, :end], 0.125, **path)
+            step, step_lse = mod.dense_attention(q[:, rows].contiguous(), k[:, :end], v[:, :end], d ** -0.5, **path)
             assert torch.equal(step, block[:, rows]) and torch.equal(step_lse, block_lse[:, rows]), (path, i)
 
 

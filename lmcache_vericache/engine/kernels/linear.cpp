@@ -83,9 +83,9 @@ inline void block(const float* __restrict__ x, const T* __restrict__ w0, int64_t
 // k = kDotW i + 2 l and + 2 l + 1 in order of i (vdpbf16ps adds each pair to its lane), the lanes
 // then in a fixed tree (_mm512_reduce_add_ps: 4 shuffle-adds, where 16 scalar adds per output cost
 // as much as the products at K = 576), so a row's result still depends on x[m] and w only.
-template <int R>
+template <int R, typename TY>
 inline void block_dot(const c10::BFloat16* __restrict__ x, const c10::BFloat16* __restrict__ w0, int64_t K,
-                      int cols, c10::BFloat16* __restrict__ y, int64_t ldy) {
+                      int cols, TY* __restrict__ y, int64_t ldy) {
   __m512 acc[R][kCols];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < kCols; ++j) acc[r][j] = _mm512_setzero_ps();
@@ -103,15 +103,17 @@ inline void block_dot(const c10::BFloat16* __restrict__ x, const c10::BFloat16* 
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < cols; ++j) y[r * ldy + j] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[r][j]));
+    for (int j = 0; j < cols; ++j) y[r * ldy + j] = static_cast<TY>(_mm512_reduce_add_ps(acc[r][j]));
 }
 
+// y as TY: bf16 (x's dtype), or float32 sums (a bias is then added before the one rounding)
+template <typename TY>
 torch::Tensor run_dot(const torch::Tensor& x, const torch::Tensor& w) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = torch::empty({M, N}, x.options().dtype(c10::CppTypeToScalarType<TY>::value));
   const auto* xp = x.data_ptr<c10::BFloat16>();
   const auto* wp = w.data_ptr<c10::BFloat16>();
-  auto* yp = y.data_ptr<c10::BFloat16>();
+  auto* yp = y.template data_ptr<TY>();
   const int64_t col_blocks = (N + kCols - 1) / kCols;
   at::parallel_for(0, col_blocks, 16, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
@@ -178,19 +180,22 @@ torch::Tensor run_weights(const torch::Tensor& x, const torch::Tensor& w) {
 
 }  // namespace
 
-torch::Tensor linear(torch::Tensor x, torch::Tensor w) {
+torch::Tensor linear(torch::Tensor x, torch::Tensor w, bool float_out) {
   TORCH_CHECK((x.dtype() == torch::kFloat32 || x.dtype() == torch::kBFloat16) && x.dim() == 2 && x.is_contiguous(),
               "x must be contiguous float32 or bfloat16 [M, K]");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1), "w must be contiguous [N, K] with x's K");
   TORCH_CHECK(x.size(1) % kW == 0, "K must be a multiple of ", kW, ", got ", x.size(1));
 #if defined(__AVX512BF16__) && !defined(VERICACHE_VEC_WIDTH)
-  if (x.dtype() == torch::kBFloat16 && w.dtype() == torch::kBFloat16 && x.size(1) % kDotW == 0) return run_dot(x, w);
+  if (x.dtype() == torch::kBFloat16 && w.dtype() == torch::kBFloat16 && x.size(1) % kDotW == 0)
+    return float_out ? run_dot<float>(x, w) : run_dot<c10::BFloat16>(x, w);
 #endif
+  if (float_out && x.dtype() == torch::kBFloat16) return run_weights<float>(x.to(torch::kFloat32), w);  // widened exactly
   return x.dtype() == torch::kFloat32 ? run_weights<float>(x, w) : run_weights<c10::BFloat16>(x, w);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear", &linear, "x . w^T for a few rows of x, in x's dtype (float32 sums)", py::arg("x"), py::arg("w"));
+  m.def("linear", &linear, "x . w^T for a few rows of x, in x's dtype (float32 sums; float_out: the sums unrounded)",
+        py::arg("x"), py::arg("w"), py::arg("float_out") = false);
   m.attr("vec_width") = kW;
   m.attr("bf16_dot") = kBf16Dot;  // bf16 x bf16 with K % 32 == 0 runs block_dot
 }
