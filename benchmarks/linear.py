@@ -61,9 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     for n, (dtype, rows) in enumerate(jobs):
         dt = getattr(torch, dtype)
         weights = [[torch.randn(o, i, generator=g).to(dt) for o, i in SHAPES] for _ in range(args.layers)]
-        x = {i: torch.randn(rows, i, generator=g) for i in (HIDDEN, MLP)}
-        xd = {i: t.to(dt) for i, t in x.items()}
-        paths = {"torch": partial(_forward, F.linear, weights, xd), "kernel": partial(_forward, mod.linear, weights, xd)}  # x in the weights' dtype, as the engine passes it
+        x = {i: torch.randn(rows, i, generator=g).to(dt) for i in (HIDDEN, MLP)}  # the weights' dtype, as the engine passes x
+        paths = {"torch": partial(_forward, F.linear, weights, x), "kernel": partial(_forward, mod.linear, weights, x)}
         med = interleaved_medians_ms(paths, args.reps)
         flops = 2 * rows * args.layers * sum(o * i for o, i in SHAPES)
         row = {"dtype": dtype, "rows": rows, "median_ms": med, "speedup_vs_torch": med["torch"] / med["kernel"],

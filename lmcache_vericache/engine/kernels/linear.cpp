@@ -78,6 +78,29 @@ inline void block(const float* __restrict__ x, const T* __restrict__ w0, int64_t
     for (int j = 0; j < cols; ++j) y[r * ldy + j] = static_cast<TY>(lane_sum(acc[r][j]));
 }
 
+// Threads split the weight rows into blocks of kCols (each reads its share of w once, for all M
+// rows); within a block the rows go kRowsMax at a time, the last 1-3 with as many accumulators as
+// rows (no wasted products). tile(R, m, n0, cols): rows m..m+R of output columns n0..n0+cols, R a
+// std::integral_constant (the block functions take it as a template argument).
+template <typename Tile>
+void for_tiles(int64_t M, int64_t N, const Tile& tile) {
+  const int64_t col_blocks = (N + kCols - 1) / kCols;
+  at::parallel_for(0, col_blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * kCols;
+      const int cols = static_cast<int>(std::min<int64_t>(kCols, N - n0));
+      int64_t m = 0;
+      for (; m + kRowsMax <= M; m += kRowsMax) tile(std::integral_constant<int, kRowsMax>{}, m, n0, cols);
+      switch (M - m) {
+        case 3: tile(std::integral_constant<int, 3>{}, m, n0, cols); break;
+        case 2: tile(std::integral_constant<int, 2>{}, m, n0, cols); break;
+        case 1: tile(std::integral_constant<int, 1>{}, m, n0, cols); break;
+        default: break;
+      }
+    }
+  });
+}
+
 #if defined(__AVX512BF16__) && !defined(VERICACHE_VEC_WIDTH)
 // block() for bf16 x and w, K a multiple of kDotW: lane l of an accumulator sums the products of
 // k = kDotW i + 2 l and + 2 l + 1 in order of i (vdpbf16ps adds each pair to its lane), the lanes
@@ -114,21 +137,8 @@ torch::Tensor run_dot(const torch::Tensor& x, const torch::Tensor& w) {
   const auto* xp = x.data_ptr<c10::BFloat16>();
   const auto* wp = w.data_ptr<c10::BFloat16>();
   auto* yp = y.template data_ptr<TY>();
-  const int64_t col_blocks = (N + kCols - 1) / kCols;
-  at::parallel_for(0, col_blocks, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n0 = b * kCols;
-      const int cols = static_cast<int>(std::min<int64_t>(kCols, N - n0));
-      const auto* w0 = wp + n0 * K;
-      int64_t m = 0;
-      for (; m + kRowsMax <= M; m += kRowsMax) block_dot<kRowsMax>(xp + m * K, w0, K, cols, yp + m * N + n0, N);
-      switch (M - m) {
-        case 3: block_dot<3>(xp + m * K, w0, K, cols, yp + m * N + n0, N); break;
-        case 2: block_dot<2>(xp + m * K, w0, K, cols, yp + m * N + n0, N); break;
-        case 1: block_dot<1>(xp + m * K, w0, K, cols, yp + m * N + n0, N); break;
-        default: break;
-      }
-    }
+  for_tiles(M, N, [&](auto R, int64_t m, int64_t n0, int cols) {
+    block_dot<decltype(R)::value>(xp + m * K, wp + n0 * K, K, cols, yp + m * N + n0, N);
   });
   return y;
 }
@@ -151,22 +161,8 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w) {
   }
   const T* wp = w.data_ptr<T>();
   TY* yp = y.data_ptr<TY>();
-  const int64_t col_blocks = (N + kCols - 1) / kCols;
-  // threads split the weight rows: each reads its share of w once, for all M rows
-  at::parallel_for(0, col_blocks, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n0 = b * kCols;
-      const int cols = static_cast<int>(std::min<int64_t>(kCols, N - n0));
-      const T* w0 = wp + n0 * K;
-      int64_t m = 0;
-      for (; m + kRowsMax <= M; m += kRowsMax) block<kRowsMax>(xp + m * K, w0, K, cols, yp + m * N + n0, N);
-      switch (M - m) {  // the last rows: as many accumulators as rows, no wasted products
-        case 3: block<3>(xp + m * K, w0, K, cols, yp + m * N + n0, N); break;
-        case 2: block<2>(xp + m * K, w0, K, cols, yp + m * N + n0, N); break;
-        case 1: block<1>(xp + m * K, w0, K, cols, yp + m * N + n0, N); break;
-        default: break;
-      }
-    }
+  for_tiles(M, N, [&](auto R, int64_t m, int64_t n0, int cols) {
+    block<decltype(R)::value>(xp + m * K, wp + n0 * K, K, cols, yp + m * N + n0, N);
   });
   return y;
 }
