@@ -200,6 +200,29 @@ def _merge(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> tuple[Tensor, 
     return (o1 * w1[..., None] + o2 * w2[..., None]) / (w1 + w2)[..., None], m + (w1 + w2).log()
 
 
+def _row_writer(segments: list[Segment]):
+    """The dense kernel's module where it writes a forward's new K/V rows into every segment's cache
+    in one call per layer (CPU caches, contiguous), else ``None`` (one indexed copy per segment)."""
+    c0 = segments[0].cache
+    if c0.k.device.type != "cpu" or not all(s.cache.k.is_contiguous() and s.cache.v.is_contiguous() for s in segments):
+        return None
+    return kernels.build("dense_attention")
+
+
+def _write_rows(segments: list[Segment], li: int, k: Tensor, v: Tensor, ats: list[int], starts: list[int],
+                writer) -> None:
+    """New K/V rows ``k``/``v`` ``[N, Hkv, D]`` of layer ``li`` into each segment's cache at its
+    entries ``ats`` on (the segment's rows from ``starts``)."""
+    if writer is not None:
+        writer.write_rows([s.cache.k for s in segments], [s.cache.v for s in segments], li, k.contiguous(),
+                          v.contiguous(), ats, starts, [s.n for s in segments])
+        return
+    for seg, off, at in zip(segments, starts, ats):
+        c, n = seg.cache, seg.n
+        c.k[li, :, at:at + n] = k[off:off + n].transpose(0, 1)
+        c.v[li, :, at:at + n] = v[off:off + n].transpose(0, 1)
+
+
 class _Batched:
     """One forward's segments as one padded batch: ``B`` segments of up to ``nmax`` tokens over
     their caches' entries before the forward (copied into one padded buffer per forward, up to
@@ -350,6 +373,7 @@ class Runtime:
         batchable = not packed or (len(packed) == len(segments) and all(
             isinstance(p, ChunkPrefix) and p.arena is packed[0].arena for p in packed))
         batch = _Batched(segments, starts, self.num_layers, self.device) if self.batched and batchable else None
+        writer = _row_writer(segments)
         for li in range(self.num_layers):
             q, k, v = m.qkv(li, m.input_norm(li, x))
             q, k = m.qk_norm(li, q, k)
@@ -361,13 +385,9 @@ class Runtime:
                 x = x + m.o_proj(li, batch.attend(li, q, k, v, self.scale))
                 x = x + m.mlp(li, m.post_attention_norm(li, x))
                 continue
-            ends = []  # each segment's cache length in this layer once its new K/V are written
-            for seg, off in zip(segments, starts):
-                c, n = seg.cache, seg.n
-                at = c.length(li)
-                c.k[li, :, at:at + n] = k[off:off + n].transpose(0, 1)
-                c.v[li, :, at:at + n] = v[off:off + n].transpose(0, 1)
-                ends.append(at + n)
+            ats = [seg.cache.length(li) for seg in segments]
+            _write_rows(segments, li, k, v, ats, starts, writer)
+            ends = [at + seg.n for at, seg in zip(ats, segments)]  # each cache's length in this layer now
             # Prefixes attended by their own code (int8 codes, KVFetch), with their exact entries:
             # one call per kind and layer.
             packed = iter(prefix_attention(

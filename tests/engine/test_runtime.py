@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from lmcache_vericache.engine import HfModel, KVCache, Runtime, Segment, kernels
+from lmcache_vericache.engine import HfModel, KVCache, Runtime, Segment, kernels, runtime
 from lmcache_vericache.engine.runtime import _flash_lse, attend
 
 
@@ -84,6 +84,37 @@ def test_batched_segments_equal_separate(tiny_model):
                          [Segment(caches[2], 1), Segment(caches[3], 10)])
     torch.testing.assert_close(both, torch.cat([alone_a, alone_b]), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(caches[2].k[:, :, :50], caches[0].k[:, :, :50], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler: the PyTorch path is taken")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_writes_each_segments_new_rows_where_indexed_copies_do(dtype):
+    """write_rows (one call per layer for every segment) puts each segment's new K/V exactly where
+    the per-segment indexed copies put them: draft caches with per-layer prefix lengths, blocks of
+    several tokens, segments of one request's rows in any order."""
+    mod = kernels.build("dense_attention")
+    layers, heads, d, cap = 3, 2, 16, 40
+    g = torch.Generator().manual_seed(5)
+    caches = [KVCache.empty(layers, heads, d, cap, dtype) for _ in range(3)]
+    for c, base, n in zip(caches, ([0, 0, 0], [7, 3, 11], [2, 2, 2]), (4, 9, 0)):
+        c.base, c.n = base, n
+    segs = [Segment(c, n) for c, n in zip(caches, (1, 5, 3))]
+    starts = [0, 1, 6]
+    k = torch.randn(9, heads, d, generator=g).to(dtype)
+    v = torch.randn(9, heads, d, generator=g).to(dtype)
+    expect = [c.clone() for c in caches]
+    for li in range(layers):
+        ats = [c.length(li) for c in caches]
+        runtime._write_rows([Segment(c, s.n) for c, s in zip(expect, segs)], li, k, v, ats, starts, None)
+        runtime._write_rows(segs, li, k, v, ats, starts, mod)
+    for c, e in zip(caches, expect):
+        assert torch.equal(c.k, e.k) and torch.equal(c.v, e.v)
+    assert caches[1].k[2, 1, 11 + 9 + 4].equal(k[1 + 4, 1])  # layer 2: base 11, n 9, the segment's 5th row
+    with pytest.raises(RuntimeError, match="out of range"):
+        mod.write_rows([caches[0].k], [caches[0].v], 0, k, v, [cap - 1], [0], [2])
+    with pytest.raises(RuntimeError, match="rows' dtype"):
+        mod.write_rows([caches[0].k.float() if dtype != torch.float32 else caches[0].k.bfloat16()],
+                       [caches[0].v], 0, k, v, [0], [0], [1])
 
 
 def _masked_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, scale: float) -> torch.Tensor:

@@ -476,10 +476,46 @@ std::vector<torch::Tensor> dense_attention(torch::Tensor q, torch::Tensor k, tor
   TORCH_CHECK(false, "dense_attention: bf16 / fp32 with head size 64 or 128 only");
 }
 
+// A forward's new K/V rows into the caches of one layer, every segment in one call (written one by
+// one from Python they cost more than a 1-token step's attention over a short cache): rows off[s] ..
+// off[s] + n[s] of k / v [N, H, D] go to entries at[s] .. at[s] + n[s] of layer `layer` of segment
+// s's caches ck[s] / cv[s] [layers, H, capacity, D] (contiguous, the rows' dtype).
+void write_rows(const std::vector<torch::Tensor>& ck, const std::vector<torch::Tensor>& cv, int64_t layer,
+                const torch::Tensor& k, const torch::Tensor& v, const std::vector<int64_t>& at,
+                const std::vector<int64_t>& off, const std::vector<int64_t>& n) {
+  const size_t segs = ck.size();
+  TORCH_CHECK(cv.size() == segs && at.size() == segs && off.size() == segs && n.size() == segs,
+              "one cache pair, position, offset and count per segment");
+  TORCH_CHECK(k.dim() == 3 && k.is_contiguous() && v.is_contiguous() && v.sizes() == k.sizes() && v.dtype() == k.dtype(),
+              "k, v must be contiguous [N, H, D] alike");
+  const int64_t N = k.size(0), H = k.size(1), D = k.size(2), es = k.element_size();
+  const auto* kp = static_cast<const char*>(k.data_ptr());
+  const auto* vp = static_cast<const char*>(v.data_ptr());
+  for (size_t s = 0; s < segs; ++s) {
+    for (const auto* c : {&ck[s], &cv[s]})
+      TORCH_CHECK(c->dim() == 4 && c->is_contiguous() && c->dtype() == k.dtype() && c->size(1) == H && c->size(3) == D &&
+                  0 <= layer && layer < c->size(0), "caches must be contiguous [layers, H, capacity, D] in the rows' dtype");
+    const int64_t cap = ck[s].size(2);
+    TORCH_CHECK(cv[s].size(2) == cap && 0 <= at[s] && n[s] >= 0 && at[s] + n[s] <= cap && 0 <= off[s] &&
+                off[s] + n[s] <= N, "segment ", s, ": rows or entries out of range");
+    auto* kc = static_cast<char*>(ck[s].data_ptr()) + layer * H * cap * D * es;
+    auto* vc = static_cast<char*>(cv[s].data_ptr()) + layer * H * cap * D * es;
+    for (int64_t t = 0; t < n[s]; ++t)
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t src = ((off[s] + t) * H + h) * D * es, dst = (h * cap + at[s] + t) * D * es;
+        std::memcpy(kc + dst, kp + src, D * es);
+        std::memcpy(vc + dst, vp + src, D * es);
+      }
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // amx: built with the tile instructions and the OS grants this process the tile state
   m.def("dense_attention", &dense_attention, "attention of a block of query rows over a dense KV cache",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("dpbf16") = true, py::arg("causal") = 0, py::arg("amx") = false);
+  m.def("write_rows", &write_rows, "a forward's new K/V rows into each segment's cache, one layer",
+        py::arg("ck"), py::arg("cv"), py::arg("layer"), py::arg("k"), py::arg("v"), py::arg("at"), py::arg("off"),
+        py::arg("n"));
   m.attr("amx") = amx_ready();
   m.attr("dpbf16") = static_cast<bool>(VERICACHE_DPBF16);
   m.attr("vec_width") = kW;  // floats per vector this build uses  // bf16 caches can use vdpbf16ps (tile_dp)
