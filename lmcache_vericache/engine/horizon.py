@@ -14,7 +14,9 @@ across sizes: on a CPU a verify block is compute-bound and its cost can switch p
 tiles from 10 tokens), so a line fitted over short blocks misprices long ones. The swap of the full
 prefix must hide behind drafting, so L >= L_min = ceil(T_swap / t_draft) while rounds swap. Until two
 block sizes were verified, L starts at ``start_len`` (4), doubles after a round that accepted every
-draft and drops to about 1.5x the recent accepted run after a rejection. These first two rounds are
+draft and drops to about 1.5x the recent accepted run after a rejection (a first round that drafted
+on past its L while its stored prefix arrived, :meth:`~.rounds.Rounds.draft_while_swapping`, grows
+from the L chosen, not from what it drafted). These first two rounds are
 what the horizon pays to learn, wasted where drafting does not pay, so they are short: starting at 8
 (8 then 16 drafts before the first plain trial) lost 17% at 1k / batch 1 in bf16 and 5% at 2k /
 batch 8; at 4, 2% and none (AMX host, 64 tokens; 8k / batch 8 unchanged within noise, 1.32x against
@@ -36,7 +38,10 @@ sets it only with the full KV resident, where no round after the first swaps. Th
 first drafting round without a swap (a swap slows the drafting it shares the CPU with, so rounds
 beside it say little about drafting's rate) is plain: a plain step takes another attention path
 than a verify block, so its cost is measured, not extrapolated from verify blocks; a trial is
-``plain_trial`` rounds and their median decides (one slow step does not). From then on the
+``plain_trial`` rounds and their median decides (one slow step does not), unless drafting measured
+``settle_margin`` (1.25x) faster than even the faster of its first two rounds: those decide (a first
+plain step after drafting rounds runs up to ~15% slow, and one slow step must not decide, hence two
+and the margin; at 8k / batch 8 the 2 rounds saved per trial are 1-2% of a 128-token run). From then on the
 measured tokens/s of plain and drafting rounds decide (the mode in use stays unless the other
 measured ``switch_margin`` faster), and each mode is re-measured now and then, so a change in
 acceptance or costs is noticed at a bounded price: while plain wins, one drafting round once the
@@ -100,6 +105,7 @@ class Horizon:
     probe_ratio: float = 16.0
     plain_trial: int = 4  # plain rounds per trial (their median decides): one slow step does not
     switch_margin: float = 1.05  # the other mode must measure this much faster to be chosen
+    settle_margin: float = 1.25  # a trial ends after two plain rounds where drafting measured this much faster
     explore_share: float = 0.125  # exploring rounds: at most 1 + this share of the drafting rounds
     stale_rounds: int = 32  # a block size not verified for this many drafting rounds no longer brackets L
     L: int = field(init=False)
@@ -176,6 +182,10 @@ class Horizon:
                 self._plain_steps.append(verify_s)
                 self._mode_s += verify_s
             self._trial_left -= 1
+            recent = list(self._plain_steps)[-2:]
+            if (self.L == 0 and self._trial_left == self.plain_trial - 2 and len(recent) == 2 and not self._plain_chosen
+                    and self._draft_rate * min(recent) > self.settle_margin):
+                self._trial_left = 0  # drafting measured far faster than either plain round: settled
             if self.L == 0 and self._trial_left <= 0:
                 self._plain_chosen = self._prefer_plain()
                 if not self._plain_chosen or self._mode_s >= self.probe_ratio * self._round_s:
@@ -211,6 +221,9 @@ class Horizon:
         if len(self._verify) < 2 or self._step_s <= 0:
             all_in = all(a == d for d, a in rounds)
             want = 2 * drafted if all_in else math.ceil(1.5 * self._acc) + 1
+            chosen = self._chosen[0]
+            if drafted > chosen > 0:  # drafted on past its L while a swap was arriving: grow from the L chosen
+                want = min(want, 2 * chosen)
             L = L_best = max(self.l_min, min(self.max_len, want))
         else:
             costs = self._costs()

@@ -279,10 +279,7 @@ class VeriCacheEngine:
                 if res.offload:  # a request without a verify cache drafts meanwhile, up to its limit
                     rounds.lease_waiting()
                 for r in active:
-                    # A cached prompt's first round drafts only while its exact prefix is still arriving:
-                    # once it is in, verifying the tail at once gives the first token soonest.
-                    if r.start < r.pos and r.swap is not None and r.swap.done:
-                        r.limit = min(r.limit, len(r.drafts))
+                    rounds.draft_while_swapping(r)
                 drafting = [r for r in active if len(r.drafts) < r.limit]
                 # Lock step: nobody verifies while anybody still drafts. Verifying needs a verify cache.
                 verifying = ([r for r in active if len(r.drafts) >= r.limit and r.full is not None]

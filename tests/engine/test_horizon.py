@@ -150,3 +150,16 @@ def test_rounds_that_accepted_every_draft_do_not_make_acceptance_certain():
     for L in (4, 8):
         h.update_rounds([(L, L)], 0.02, 0.0, 0.05)  # 20 ms drafts, a 50 ms verify whatever its size
     assert 0.9 < h.acceptance < 1 and 2 <= h.L <= 16  # at a = 1: (L + 1) / (0.02 L + 0.05) grows to L = 64
+
+
+def test_a_first_round_that_drafted_on_while_its_prefix_arrived_grows_from_its_l():
+    """A cached prompt's first round drafts past its L while the swap runs (rounds.py); the next L
+    grows from the L chosen (4: 8 next), not from what it drafted (15: 30), fully accepted or not."""
+    for accepted in (15, 12):
+        h = Horizon("auto", max_len=64, swap_floor=False)
+        assert h.L == 4
+        h.update_rounds([(15, accepted)], 0.07, 1.0, 0.5)  # 15 drafts beside a 1 s swap
+        assert h.L == 8
+    h = Horizon("auto", max_len=64, swap_floor=False)
+    h.update_rounds([(4, 4)], 0.07, 0.0, 0.3)  # an ordinary round: doubles
+    assert h.L == 8
