@@ -94,6 +94,11 @@ class KVCache:
     def write_suffix(self, start: int, k: Tensor, v: Tensor) -> None:
         """Overwrite suffix entries from ``start`` with ``k``/``v`` ``[layers, H, t, D]``."""
         t = k.shape[2]
+        if len(set(self.base)) == 1:  # every layer's suffix at one index (full and packed caches): one copy
+            b = self.base[0]
+            self.k[:, :, b + start:b + start + t] = k
+            self.v[:, :, b + start:b + start + t] = v
+            return
         for li, b in enumerate(self.base):
             self.k[li, :, b + start:b + start + t] = k[li]
             self.v[li, :, b + start:b + start + t] = v[li]

@@ -119,7 +119,7 @@ class Rounds:
         tokens left; an EOS ends it): drafts that cost the verify nothing (at 8k / batch 8 on a CPU the swap took ~15 draft
         steps; a first round of 4 drafts then waited ~0.5 s for it). Offload is left as it is: its
         horizon floors L by the swap time."""
-        if not (r.start < r.pos and r.swap is not None):
+        if not (r.prefix_missing and r.swap is not None):  # not a cached prompt's first round
             return
         if r.swap.done:
             r.limit = min(r.limit, len(r.drafts))

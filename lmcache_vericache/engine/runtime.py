@@ -157,19 +157,25 @@ def attend(q: Tensor, k: Tensor, v: Tensor, n: int, scale: float,
     return out.to(v.dtype).permute(2, 0, 1, 3).reshape(n, hkv * g * d)
 
 
+CODE_PREFIXES = (Int8Prefix, CodebookPrefix)  # packed prefixes whose kernel takes the exact entries and float32 rows
+
+
 def prefix_attention(jobs: list[tuple[Tensor, object, int, Tensor, Tensor]], scale: float) -> list[Tensor]:
     """Attention of each job ``(q [n, Hq, D], prefix, layer, k, v)`` over a draft cache's ``packed``
     prefix and its exact entries ``k``/``v`` ``[Hkv, S, D]`` (the last ``n`` are the block's own:
-    causal), as :func:`attend` returns it (``[n, Hq*D]``, ``v``'s dtype). An
+    causal), as :func:`attend` returns it (``[n, Hq*D]``; float32 for the prefixes of
+    ``CODE_PREFIXES``, else ``v``'s dtype: the caller rounds once, for every job). An
     :class:`~.int8_attention.Int8Prefix` or :class:`~.codebook_attention.CodebookPrefix` takes its
-    exact entries into the same kernel call (one call per layer for every job of its kind); a
-    :class:`~.kvfetch.CertifiedPrefix` or a
-    :class:`~.chunk_prefix.ChunkPrefix` is merged with them by :func:`attend`."""
+    exact entries into the same kernel call (one call per layer for every job of its kind; give it
+    float32 ``q`` and no row is converted per job); a :class:`~.kvfetch.CertifiedPrefix` or a
+    :class:`~.chunk_prefix.ChunkPrefix` is merged with them by :func:`attend`. A decode step's job
+    (n = 1) takes views only: a batch-8 draft step ran ~50 small ops per layer here."""
     res: list[Tensor | None] = [None] * len(jobs)
     rows = []
     for q, _, _, k, _ in jobs:
         n, hkv, d = q.shape[0], k.shape[0], k.shape[2]
-        rows.append(q.view(n, hkv, -1, d).permute(1, 2, 0, 3).reshape(hkv, -1, d))  # row j*n + i: member j, token i
+        # row j*n + i: member j, token i (one token: the heads' own order)
+        rows.append(q.view(hkv, -1, d) if n == 1 else q.view(n, hkv, -1, d).permute(1, 2, 0, 3).reshape(hkv, -1, d))
     for kind, attention_of in ((Int8Prefix, int8_attention.attention), (CodebookPrefix, codebook_attention.attention)):
         idx = [i for i, job in enumerate(jobs) if isinstance(job[1], kind)]
         if idx:
@@ -178,7 +184,7 @@ def prefix_attention(jobs: list[tuple[Tensor, object, int, Tensor, Tensor]], sca
             for i, (out, _) in zip(idx, parts):
                 q, _, _, _, v = jobs[i]
                 n, hkv, d = q.shape[0], v.shape[0], v.shape[2]
-                res[i] = out.view(hkv, -1, n, d).permute(2, 0, 1, 3).reshape(n, -1).to(v.dtype)
+                res[i] = out.view(1, -1) if n == 1 else out.view(hkv, -1, n, d).permute(2, 0, 1, 3).reshape(n, -1)
     # Prefixes whose attention is merged with the exact entries by attend(): KVFetch's certified
     # one, and stored chunks read by the Triton kernels (chunk_prefix).
     for kind, parts_of in ((CertifiedPrefix, kvfetch.attention), (ChunkPrefix, chunk_prefix.attention)):
@@ -367,6 +373,7 @@ class Runtime:
         starts = [sum(s.n for s in segments[:i]) for i in range(len(segments))]
         packed = [s.cache.packed for s in segments if s.cache.packed is not None]
         any_packed = bool(packed)
+        code_rows = any_packed and all(isinstance(p, CODE_PREFIXES) for p in packed)
         # Batched: dense caches, or every segment a draft cache over stored chunks of one arena (one
         # kernel call per layer). A verify segment beside draft segments (staggered rounds) keeps the
         # per-segment path: its full cache is attended exactly as plain decoding attends it.
@@ -389,15 +396,17 @@ class Runtime:
             _write_rows(segments, li, k, v, ats, starts, writer)
             ends = [at + seg.n for at, seg in zip(ats, segments)]  # each cache's length in this layer now
             # Prefixes attended by their own code (int8 codes, KVFetch), with their exact entries:
-            # one call per kind and layer.
+            # one call per kind and layer; int8 / codebook kernels take the rows as float32, converted once.
+            qp = q.float() if code_rows else q
             packed = iter(prefix_attention(
-                [(q[off:off + s.n], s.cache.packed, li, s.cache.k[li, :, :end], s.cache.v[li, :, :end])
+                [(qp[off:off + s.n], s.cache.packed, li, s.cache.k[li, :, :end], s.cache.v[li, :, :end])
                  for s, off, end in zip(segments, starts, ends) if s.cache.packed is not None], self.scale)
                 if any_packed else [])
             outs = [next(packed) if seg.cache.packed is not None else
                     attend(q[off:off + seg.n], seg.cache.k[li, :, :end], seg.cache.v[li, :, :end], seg.n, self.scale)
                     for seg, off, end in zip(segments, starts, ends)]
-            x = x + m.o_proj(li, outs[0] if len(outs) == 1 else torch.cat(outs))
+            att = outs[0] if len(outs) == 1 else torch.cat(outs)
+            x = x + m.o_proj(li, att.to(x.dtype))  # int8 / codebook outputs are float32: rounded here, once
             x = x + m.mlp(li, m.post_attention_norm(li, x))
         if batch is not None:
             batch.write()

@@ -365,7 +365,7 @@ def test_a_cached_prompts_first_round_drafts_until_its_prefix_is_in(tiny_model):
     drafts on past its L (4) while the swap runs, up to max_draft_len, since its verify waits for the
     swap anyway; a fixed L stays as set. Tokens identical to plain decoding either way."""
     heads = Runtime(tiny_model).num_kv_heads
-    prompts = random_prompts(2, [200, 200])
+    prompts = random_prompts(2, [200, 193])  # 3 chunks of 64 cached: tails of 8 tokens and of 1
     ref = _eng(tiny_model).reference(prompts, 40)
     for draft_len, first in (("auto", 12), (4, 4)):
         # 3 chunks a prompt, one read at a time, 0.2 s each: the swaps take 1.2 s, drafting milliseconds
