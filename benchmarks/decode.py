@@ -185,8 +185,10 @@ def speedup_bound(costs: dict, stats: list) -> dict:
     """What the measured step costs allow: with a draft step of ``r`` full steps, a verify of ``L + 1``
     tokens costing ``v(L + 1)`` full steps and per-token acceptance ``a``, a round emits ``E(L) = 1 +
     a + ... + a^L`` tokens for ``L r + v(L + 1)`` full steps. ``v`` is predicted from the measured
-    blocks (5, 9, 17 tokens) as the engine's horizon predicts it (``horizon.predict``: between two
-    measured sizes the line between them, past 17 tokens the line through 9 and 17). Returns the best
+    blocks (2, 5, 9, 17 tokens) as the engine's horizon predicts it (``horizon.predict``: between two
+    measured sizes the line between them, past 17 tokens the line through 9 and 17), never under one
+    full step (2 tokens are measured since bounds of 1.6-1.7x at L = 1-2 came from the line through 5
+    and 9 pricing a 2-token verify at 0.8 full steps, though it reads what a full step reads). Returns the best
     such speed-up over L <= 32 at the run's measured ``a`` and with every draft accepted (``a = 1``),
     and the L that gives it."""
     r = costs["t_draft_ms"] / costs["t_full_ms"]
@@ -195,9 +197,12 @@ def speedup_bound(costs: dict, stats: list) -> dict:
     trials = hits + sum(a < d for s in stats for a, d in zip(s.accepted, s.drafted))
     acc = hits / trials if trials else 0.0
 
+    def verify(n: int) -> float:
+        return max(1.0, predict(by_len, n))
+
     def bound(a: float) -> tuple[float, int]:
-        L = best(a, r, lambda n: predict(by_len, n), 1, MAX_BOUND_L)
-        return rate(L, a, r, predict(by_len, L + 1)), L
+        L = best(a, r, verify, 1, MAX_BOUND_L)
+        return rate(L, a, r, verify(L + 1)), L
 
     (at_acc, l_acc), (perfect, l_perfect) = bound(acc), bound(1.0)
     return dict(draft_vs_full=r, acceptance_rate=acc, bound_at_acceptance=at_acc,
@@ -340,7 +345,7 @@ def main() -> None:
                                 say(f"{dtype} {ctx} b{batch}: step costs of {m}")
                                 costs = step_costs(model, VeriCacheEngine(
                                     model, m, params, store="resident",
-                                    **packed_draft(args)), reqs, (5, 9, 17),
+                                    **packed_draft(args)), reqs, (2, 5, 9, 17),
                                     args.step_reps)
                             rows[-1].update(costs)
                             rows[-1].update(speedup_bound(costs, [o.stats for o in out]))
