@@ -124,6 +124,7 @@ class Horizon:
     _plain_chosen: bool = field(init=False, default=False)
     _mode_s: float = field(init=False, default=0.0)  # seconds in the current mode (plain or drafting)
     _trial_left: int = field(init=False, default=0)  # plain rounds before this trial may end
+    _trial_steps: list = field(init=False, default_factory=list)  # this trial's measured plain steps
     _round_s: float = field(init=False, default=0.0)  # seconds of the last drafting round
     _plain_steps: deque = field(init=False)  # seconds of the last plain_trial plain rounds
     _draft_rate: float = field(init=False, default=0.0)  # measured tokens/s of drafting rounds
@@ -180,14 +181,14 @@ class Horizon:
         if drafted == 0:  # a plain round (L = 0): its verify is one plain decode step, measured
             if verify_s > 0:
                 self._plain_steps.append(verify_s)
+                self._trial_steps.append(verify_s)
                 self._mode_s += verify_s
             self._trial_left -= 1
-            recent = list(self._plain_steps)[-2:]
-            if (self.L == 0 and self._trial_left == self.plain_trial - 2 and len(recent) == 2 and not self._plain_chosen
-                    and self._draft_rate * min(recent) > self.settle_margin):
-                self._trial_left = 0  # drafting measured far faster than either plain round: settled
-            if self.L == 0 and self._trial_left <= 0:
-                self._plain_chosen = self._prefer_plain()
+            # this trial's own first two plain steps (none of an earlier trial's) both far slower than drafting
+            settled = (self.L == 0 and not self._plain_chosen and len(self._trial_steps) == 2
+                       and self._draft_rate * min(self._trial_steps) > self.settle_margin)
+            if self.L == 0 and (settled or self._trial_left <= 0):
+                self._plain_chosen = False if settled else self._prefer_plain()
                 if not self._plain_chosen or self._mode_s >= self.probe_ratio * self._round_s:
                     self._mode_s = 0.0  # plain lost, or re-measure drafting
                     self._choose(max(1, self._probe_len))
@@ -239,6 +240,7 @@ class Horizon:
             self._plain_chosen = not first and self._prefer_plain()
             if first or self._plain_chosen or self._mode_s * self._plain_rate >= self.probe_ratio * self.plain_trial:
                 self._trial_left = 0 if self._plain_chosen else self.plain_trial
+                self._trial_steps = []
                 self._probe_len, self._mode_s, L = L_best, 0.0, 0
         if L != L_best and L > 0:
             self._explored += 1

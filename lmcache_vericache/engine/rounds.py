@@ -120,15 +120,16 @@ class Rounds:
         decoding (8k / batch 8, TurboQuant: 1.12x against 1.26x). While the prefix is not in, the
         verify would wait for it anyway, so with the full KV resident and an auto horizon the round
         drafts on past its L (up to ``max_len`` and the tokens left; an EOS ends it): drafts that
-        cost the verify nothing where the store is slow (a disk, a network). Offload is left as it
-        is: its horizon floors L by the swap time."""
+        cost the verify nothing where the store is slow (a disk, a network). Not while the horizon
+        has chosen plain decoding (a request admitted mid-run would hold the batch in drafting), and
+        not in offload, whose horizon floors L by the swap time."""
         if not (r.prefix_missing and r.swap is not None):  # not a cached prompt's first round
             return
         if r.swap.done:
             if r.start < r.pos:
                 r.limit = min(r.limit, len(r.drafts))
-        elif (r.horizon.draft_len == "auto" and not self.res.offload
-              and not (r.drafts and r.drafts[-1] in self.eos_ids)):
+        elif (r.horizon.draft_len == "auto" and r.horizon.L > 0 and not self.res.offload
+              and not (r.drafts and r.drafts[-1] in self.eos_ids)):  # L = 0: the batch decodes plainly
             cap = max(0, min(r.horizon.max_len, r.remaining - (not self.verkv)))
             r.limit = max(r.limit, min(len(r.drafts) + 1, cap))
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from engine_helpers import packed_and_dense_runs, random_prompts
 
-from lmcache_vericache.engine import VeriCacheEngine, int8_attention
+from lmcache_vericache.engine import Sampling, Segment, VeriCacheEngine, int8_attention
 from lmcache_vericache.engine.int8_attention import Int8Prefix
 from lmcache_vericache.engine.runtime import attend
 
@@ -148,6 +148,29 @@ def test_packed_int8_drafter_is_lossless_and_reads_fewer_bytes(tiny_model, metho
         assert seen[i][1] < dense_seen[i][1]
     # drafts are (nearly) those of the dense int8 drafter: acceptance within a token a round
     assert abs(acc - acc_dense) < 1.0
+
+
+def test_a_bf16_draft_step_over_int8_prefixes_is_batch_invariant(tiny_model, monkeypatch):
+    """bf16: draft steps of three requests over their packed int8 prefixes in one forward give each
+    request's logits and draft cache bit for bit as a forward of that request alone (the kernel's
+    rows as float32 converted once per layer, its outputs rounded once after the concatenation, the
+    new rows written by write_rows). The linear kernel is forced (row-independent on every CPU; AMX
+    CPUs would otherwise take oneDNN, which is not)."""
+    import copy
+
+    monkeypatch.setenv("VERICACHE_LINEAR", "kernel")
+    model = copy.deepcopy(tiny_model).to(torch.bfloat16)
+    eng = VeriCacheEngine(model, "int8", chunk_size=64, store="resident")
+    reqs = eng.setup_requests(random_prompts(3, [200, 150, 300], seed=4), 8, Sampling(), 0, draft=True)
+    assert all(isinstance(r.draft.packed, Int8Prefix) for r in reqs) and eng.rt.dtype == torch.bfloat16
+    alone_caches = [r.draft.clone() for r in reqs]
+    toks, pos = torch.tensor([r.tokens[-1] for r in reqs]), torch.tensor([r.pos for r in reqs])
+    both, _ = eng.rt.forward(toks, pos, [Segment(r.draft, 1) for r in reqs])
+    alone = torch.cat([eng.rt.forward(toks[i:i + 1], pos[i:i + 1], [Segment(c, 1)])[0]
+                       for i, c in enumerate(alone_caches)])
+    assert torch.equal(both, alone)
+    for r, c in zip(reqs, alone_caches):
+        assert r.draft.n == c.n and torch.equal(r.draft.k, c.k) and torch.equal(r.draft.v, c.v)
 
 
 def test_int8_draft_option(tiny_model):

@@ -380,6 +380,30 @@ def test_a_cached_prompts_first_round_drafts_until_its_prefix_is_in(tiny_model):
         store.close()
 
 
+def test_drafting_on_while_a_prefix_arrives_stops_where_it_must():
+    """draft_while_swapping on its own: it extends an auto round by one draft at a time while the swap
+    runs, never past an EOS, never while the batch decodes plainly (L = 0: a request admitted mid-run
+    would hold everyone in drafting), never a fixed L or in offload; once the prefix is in, a tail of
+    several tokens verifies at once and a 1-token tail keeps its L."""
+    from lmcache_vericache.engine.horizon import Horizon
+
+    def run(L=4, drafts=(5, 6, 7, 8), draft_len="auto", done=False, start=10, offload=False):
+        h = Horizon(draft_len, max_len=12)
+        h.L = L
+        r = SimpleNamespace(prefix_missing=True, swap=SimpleNamespace(done=done), horizon=h, drafts=list(drafts),
+                            limit=L, remaining=40, start=start, pos=10)
+        engine_mod.Rounds.draft_while_swapping(SimpleNamespace(res=SimpleNamespace(offload=offload), eos_ids={2},
+                                                               verkv=False), r)
+        return r.limit
+
+    assert run() == 5 and run(drafts=range(11)) == 12 and run(drafts=range(12)) == 12  # max_len 12
+    assert run(L=0, drafts=()) == 0  # plain decoding chosen
+    assert run(drafts=(5, 6, 7, 2)) == 4  # an EOS ends the round
+    assert run(draft_len=4) == 4 and run(offload=True) == 4
+    assert run(done=True) == 4 and run(drafts=(5,), done=True) == 4  # a 1-token tail keeps its L
+    assert run(drafts=(5,), done=True, start=8) == 1  # a longer tail verifies as soon as the prefix is in
+
+
 def test_error_mid_generate_cancels_swaps(tiny_model, monkeypatch):
     """An exception raised mid-generate (here by on_round) propagates, and generate stops every
     in-flight swap first: no swap thread keeps reading the store or writing into a cache."""

@@ -111,7 +111,12 @@ def test_the_kernel_writes_each_segments_new_rows_where_indexed_copies_do(dtype)
         assert torch.equal(c.k, e.k) and torch.equal(c.v, e.v)
     assert caches[1].k[2, 1, 11 + 9 + 4].equal(k[1 + 4, 1])  # layer 2: base 11, n 9, the segment's 5th row
     with pytest.raises(RuntimeError, match="out of range"):
-        mod.write_rows([caches[0].k], [caches[0].v], 0, k, v, [cap - 1], [0], [2])
+        mod.write_rows([caches[0].k], [caches[0].v], 0, k, v, [cap - 1], [0], [2])  # past the capacity
+    with pytest.raises(RuntimeError, match="out of range"):
+        mod.write_rows([caches[0].k], [caches[0].v], 0, k, v, [0], [8], [2])  # past the rows
+    with pytest.raises(RuntimeError, match="capacity, D"):
+        mod.write_rows([caches[0].k], [caches[0].v], layers, k, v, [0], [0], [1])  # no such layer
+    assert runtime._row_writer([Segment(KVCache(caches[0].k.transpose(2, 3), caches[0].v, [0] * layers), 1)]) is None
     with pytest.raises(RuntimeError, match="rows' dtype"):
         mod.write_rows([caches[0].k.float() if dtype != torch.float32 else caches[0].k.bfloat16()],
                        [caches[0].v], 0, k, v, [0], [0], [1])
