@@ -39,9 +39,10 @@ first drafting round without a swap (a swap slows the drafting it shares the CPU
 beside it say little about drafting's rate) is plain: a plain step takes another attention path
 than a verify block, so its cost is measured, not extrapolated from verify blocks; a trial is
 ``plain_trial`` rounds and their median decides (one slow step does not), unless drafting measured
-``settle_margin`` (1.25x) faster than even the faster of its first two rounds: those decide (a first
-plain step after drafting rounds runs up to ~15% slow, and one slow step must not decide, hence two
-and the margin; at 8k / batch 8 the 2 rounds saved per trial are 1-2% of a 128-token run). From then on the
+``settle_margin`` (1.25x) faster than even the faster of its own first two rounds: then drafting is
+chosen at once (a first plain step after drafting rounds runs up to ~15% slow, and one slow step must
+not decide, hence two and the margin; at 8k / batch 8 the 2 rounds saved per trial are 1-2% of a
+128-token run). From then on the
 measured tokens/s of plain and drafting rounds decide (the mode in use stays unless the other
 measured ``switch_margin`` faster), and each mode is re-measured now and then, so a change in
 acceptance or costs is noticed at a bounded price: while plain wins, one drafting round once the
