@@ -65,6 +65,12 @@ class KVCache:
     def length(self, layer: int) -> int:
         return self.base[layer] + self.n
 
+    @property
+    def uniform(self) -> bool:
+        """Every layer's suffix starts at one index (full caches, packed draft caches): one slice
+        addresses it in all layers at once."""
+        return len(set(self.base)) == 1
+
     def read_bytes(self) -> int:
         """Bytes of K/V one decode step over this cache reads (dense entries plus the int8 prefix)."""
         per_entry = 2 * self.k.shape[1] * self.k.shape[3] * self.k.element_size()
@@ -84,7 +90,7 @@ class KVCache:
 
     def suffix(self, start: int, stop: int) -> tuple[Tensor, Tensor]:
         """Suffix entries ``[start, stop)`` of every layer: ``[layers, H, stop-start, D]`` each."""
-        if len(set(self.base)) == 1:
+        if self.uniform:
             b = self.base[0]
             return self.k[:, :, b + start:b + stop], self.v[:, :, b + start:b + stop]
         ks = torch.stack([self.k[li, :, b + start:b + stop] for li, b in enumerate(self.base)])
@@ -94,7 +100,7 @@ class KVCache:
     def write_suffix(self, start: int, k: Tensor, v: Tensor) -> None:
         """Overwrite suffix entries from ``start`` with ``k``/``v`` ``[layers, H, t, D]``."""
         t = k.shape[2]
-        if len(set(self.base)) == 1:  # every layer's suffix at one index (full and packed caches): one copy
+        if self.uniform:  # one copy for every layer
             b = self.base[0]
             self.k[:, :, b + start:b + start + t] = k
             self.v[:, :, b + start:b + start + t] = v

@@ -106,10 +106,10 @@ class Rounds:
         elif r.prefix_missing:  # resident: a prefix read from the store is swapped in once
             r.swap = SwapIn(self.store, r.keys, r.full, self.chunk_size, self.swap_pool)
 
-    def limit(self, r: Request) -> int:
-        """Drafts of ``r``'s round: its horizon's L, capped by the tokens it still may emit (a
-        verified round also emits the target's own token; verkv rounds emit only drafts)."""
-        return max(0, min(r.horizon.L, r.remaining - (not self.verkv)))
+    def limit(self, r: Request, L: int | None = None) -> int:
+        """Drafts of ``r``'s round: ``L`` (default its horizon's), capped by the tokens it still may
+        emit (a verified round also emits the target's own token; verkv rounds emit only drafts)."""
+        return max(0, min(r.horizon.L if L is None else L, r.remaining - (not self.verkv)))
 
     def draft_while_swapping(self, r: Request) -> None:
         """A cached prompt's first round (its stored prefix arriving by the swap). A tail of several
@@ -130,8 +130,7 @@ class Rounds:
                 r.limit = min(r.limit, len(r.drafts))
         elif (r.horizon.draft_len == "auto" and r.horizon.L > 0 and not self.res.offload
               and not (r.drafts and r.drafts[-1] in self.eos_ids)):  # L = 0: the batch decodes plainly
-            cap = max(0, min(r.horizon.max_len, r.remaining - (not self.verkv)))
-            r.limit = max(r.limit, min(len(r.drafts) + 1, cap))
+            r.limit = max(r.limit, min(len(r.drafts) + 1, self.limit(r, r.horizon.max_len)))
 
     def lease_waiting(self) -> None:
         """Offload: hand free verify caches to the requests waiting longest. Each gets the exact

@@ -242,7 +242,7 @@ class _Batched:
         self.prefixes = [s.cache.packed for s in segments]
         self.chunked = any(p is not None for p in self.prefixes)
         b = len(segments)
-        self.uniform = all(len(set(s.cache.base)) == 1 for s in segments)
+        self.uniform = all(s.cache.uniform for s in segments)
         # past entries per (layer, segment); one row for all layers where every cache's base is uniform
         past = [[s.cache.length(li) for s in segments] for li in (range(layers) if not self.uniform else [0])]
         ns = [s.n for s in segments]

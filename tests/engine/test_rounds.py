@@ -392,8 +392,10 @@ def test_drafting_on_while_a_prefix_arrives_stops_where_it_must():
         h.L = L
         r = SimpleNamespace(prefix_missing=True, swap=SimpleNamespace(done=done), horizon=h, drafts=list(drafts),
                             limit=L, remaining=40, start=start, pos=10)
-        engine_mod.Rounds.draft_while_swapping(SimpleNamespace(res=SimpleNamespace(offload=offload), eos_ids={2},
-                                                               verkv=False), r)
+        rounds = engine_mod.Rounds(None, None, None, chunk_size=64, query_window=32, eos_ids={2}, ngram=None,
+                                   verkv=False, sampling=None, res=SimpleNamespace(offload=offload),
+                                   batch_horizon=None, on_round=None)  # only its scheduling state is read
+        rounds.draft_while_swapping(r)
         return r.limit
 
     assert run() == 5 and run(drafts=range(11)) == 12 and run(drafts=range(12)) == 12  # max_len 12
