@@ -17,6 +17,23 @@ import torch
 Tensor = torch.Tensor
 
 
+def draw(weights: Tensor, gen: torch.Generator | None) -> int:
+    """One index drawn from ``weights [V]`` (non-negative, any positive total) in proportion to
+    them: the inverse CDF at one uniform, in float64. Exactly the distribution ``torch.multinomial``
+    draws, at a fraction of its cost on a CPU (about 0.1 against 1 ms for SmolLM2's 49,152 entries:
+    it draws one random variate per entry), which every sampled token pays once or twice. An entry of
+    weight 0 is never drawn: the first index whose running sum exceeds ``u`` has a positive weight."""
+    cdf = weights.double().cumsum(0)
+    total = float(cdf[-1])
+    if not total > 0:
+        raise ValueError(f"cannot draw from weights summing to {total}")
+    while True:
+        i = int(torch.searchsorted(cdf, float(torch.rand((), dtype=torch.float64, generator=gen)) * total,
+                                   right=True))
+        if i < cdf.numel():  # u * total rounded up to total (probability ~2**-53): draw again
+            return i
+
+
 def host(t: Tensor) -> Tensor:
     """``t`` on the host: the engine's one way to read a device tensor (a sync on an accelerator;
     nothing on a CPU). The engine's loop calls it once per forward's logits, not once per token."""
@@ -61,7 +78,7 @@ class Sampling:
         if self.greedy:
             return int(host(logits.argmax())), None
         p = self.probs(host(logits.float()))  # sampling runs on the CPU, where the generators live
-        return int(torch.multinomial(p, 1, generator=gen)), p
+        return draw(p, gen), p
 
 
 def accept(drafts: list[int], q: list[Tensor] | None, target_logits: Tensor, sampling: Sampling,
@@ -90,8 +107,6 @@ def accept(drafts: list[int], q: list[Tensor] | None, target_logits: Tensor, sam
         if float(torch.rand((), generator=gen)) * qx < px:
             continue
         residual = (p[i] - q[i]).clamp_min_(0)
-        total = float(residual.sum())
-        # total == 0 only if p == q (then rejection has probability 0); guard float round-off.
-        dist = residual / total if total > 0 else p[i]
-        return i, int(torch.multinomial(dist, 1, generator=gen))
-    return n, int(torch.multinomial(p[n], 1, generator=gen))
+        # A zero residual only if p == q (then rejection has probability 0); guard float round-off.
+        return i, draw(residual if float(residual.sum()) > 0 else p[i], gen)
+    return n, draw(p[n], gen)

@@ -13,6 +13,7 @@ from scipy.stats import chisquare
 
 import lmcache_vericache.engine.rounds as engine_mod
 from lmcache_vericache.engine import Sampling, VeriCacheEngine, accept
+from lmcache_vericache.engine.verify import draw
 from lmcache_vericache.models import tiny_llama
 
 VOCAB, N = 4, 3000
@@ -27,6 +28,30 @@ def _pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
     if exp_c[-1] == 0:
         obs_c, exp_c = obs_c[:-1], exp_c[:-1]
     return float(chisquare(obs_c.numpy(), exp_c.numpy() * obs_c.sum().item() / exp_c.sum().item()).pvalue)
+
+
+def test_draw_follows_its_weights_and_never_draws_a_zero():
+    g = torch.Generator().manual_seed(0)
+    w = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.5, 0.0, 2.5, 0.0])  # unnormalized, zeros inside and at both ends
+    counts = torch.bincount(torch.tensor([draw(w, g) for _ in range(20000)]), minlength=len(w)).float()
+    assert counts[w == 0].sum() == 0
+    assert _pvalue(counts, w / w.sum()) > 1e-3
+    # a vocabulary-sized float32 distribution from softmax, as the engine draws them
+    p = torch.softmax(torch.randn(49152, generator=g) * 3, 0)
+    top = p.topk(4).indices
+    counts = torch.zeros(5)
+    for _ in range(8000):
+        x = draw(p, g)
+        counts[int((top == x).nonzero()[0]) if x in top else 4] += 1
+    assert _pvalue(counts, torch.cat([p[top], 1 - p[top].sum()[None]])) > 1e-3
+
+
+def test_draw_is_seeded_and_refuses_empty_weights():
+    w = torch.rand(1000, generator=torch.Generator().manual_seed(1))
+    a = [draw(w, torch.Generator().manual_seed(7)) for _ in range(3)]
+    assert a == [draw(w, torch.Generator().manual_seed(7)) for _ in range(3)]
+    with pytest.raises(ValueError, match="summing to 0"):
+        draw(torch.zeros(5), None)
 
 
 def test_accept_rule_matches_target_with_filters(one_thread):
