@@ -28,7 +28,7 @@ class RequestStats:
     rounds: int = 0
     accepted: list[int] = field(default_factory=list)
     drafted: list[int] = field(default_factory=list)
-    prefill_s: float = 0.0
+    prefill_s: float = 0.0  # set-up: cache allocation, prefill or prefix read, draft cache laid out
     draft_s: float = 0.0
     draft_steps: int = 0
     verify_s: float = 0.0
