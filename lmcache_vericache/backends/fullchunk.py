@@ -43,8 +43,9 @@ def encode_full(t: torch.Tensor) -> bytes:
     return b"".join((header, payload, digest(header, payload)))
 
 
-def decode_full(buf: Buffer) -> torch.Tensor:
-    """Verify and parse. The tensor views ``buf`` without a copy: a writable ``buf`` must not be
+def decode_full(buf: Buffer, *, check_digest: bool = True) -> torch.Tensor:
+    """Verify and parse (``check_digest=False``: the framing only, for bytes the caller wrote itself
+    and held immutable since, see ``DualTierStore``). The tensor views ``buf`` without a copy: a writable ``buf`` must not be
     reused by the caller, and a read-only one (``bytes``, e.g. the memory tier's value, which every
     reader of that key shares) must not be written through the tensor. Every reader in this package
     only copies a full chunk out (into a cache, a paged block, a LocalCPU object). Not copying
@@ -75,7 +76,7 @@ def decode_full(buf: Buffer) -> torch.Tensor:
     if size != expected:
         raise CorruptChunkError(f"length {size} does not match shape {list(shape)} {dtype} ({expected} bytes)")
     body = size - DIGEST_SIZE
-    if digest(mv[:body]) != bytes(mv[body:]):
+    if check_digest and digest(mv[:body]) != bytes(mv[body:]):
         raise CorruptChunkError("checksum mismatch: chunk is corrupted")
     raw = mv[data_at:body]
     if not raw.nbytes:

@@ -16,7 +16,7 @@ import redis
 import torch
 
 from lmcache_vericache import compressors
-from lmcache_vericache.backends import DiskTier, DualTierStore, StoreConfig, TierError
+from lmcache_vericache.backends import DiskTier, DualTierStore, MemoryTier, StoreConfig, TierError
 from lmcache_vericache.backends.store import COMPRESSED_SUFFIX, FULL_SUFFIX
 from lmcache_vericache.backends.tiers.lm import LMServerTier
 from lmcache_vericache.backends.tiers.redis import RedisTier
@@ -70,8 +70,24 @@ class RawRedis:
         self.client.set(self.prefix + key, data)
 
 
-@pytest.fixture(params=["disk", "redis"])
+class RawMemory:
+    """Another writer of an in-process memory tier (its values are not the store's own)."""
+
+    def __init__(self, tier: MemoryTier) -> None:
+        self.tier = tier
+
+    def read(self, key: str) -> bytes:
+        return self.tier.get(key)
+
+    def write(self, key: str, data: bytes) -> None:
+        self.tier.put(key, data)
+
+
+@pytest.fixture(params=["disk", "redis", "memory"])
 def tier_and_raw(request, tmp_path):
+    if request.param == "memory":
+        tier = MemoryTier(1 << 30)
+        return tier, RawMemory(tier)
     if request.param == "disk":
         tier = DiskTier(tmp_path)
         return tier, RawDisk(tier)

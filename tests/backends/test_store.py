@@ -358,3 +358,29 @@ def test_hot_tier_memory_stays_within_its_bound(tmp_path):
     # bound; what the allocator's arenas drift by under a loaded host stayed within a quarter of it
     # (12.4 MiB once in a loaded run, against 96 MiB of bound).
     assert churned <= 1.25 * bound and churned <= filled + bound // 4, (filled >> 20, churned >> 20)
+
+
+def test_own_full_chunks_in_memory_skip_the_digest_others_do_not(chunks, monkeypatch):
+    # A full chunk this store wrote into the in-process memory tier is immutable bytes it made: its
+    # digest is not computed again per read. The same bytes put there by anyone else are checked.
+    import lmcache_vericache.backends.fullchunk as fullchunk
+    from lmcache_vericache.backends.store import FULL_SUFFIX
+
+    calls = []
+    real = fullchunk.digest
+    monkeypatch.setattr(fullchunk, "digest", lambda *a: calls.append(1) or real(*a))
+    tier = MemoryTier(1 << 30)
+    with DualTierStore(compressors.get("int8"), tier, num_kv_heads=HEADS) as store:
+        store.put("k", chunks[0])
+        calls.clear()
+        assert torch.equal(store.get_full("k"), chunks[0]) and not calls
+        tier.put("k" + FULL_SUFFIX, tier.get("k" + FULL_SUFFIX))  # the same bytes, another writer
+        assert torch.equal(store.get_full("k"), chunks[0]) and calls
+        with DualTierStore(compressors.get("int8"), tier, num_kv_heads=HEADS) as other:  # another store
+            other.put("j", chunks[1])
+            calls.clear()
+            assert torch.equal(store.get_full("j"), chunks[1]) and calls
+    with DualTierStore(compressors.get("int8"), MemoryTier(1 << 30), num_kv_heads=HEADS, mac_key=b"k" * 32) as keyed:
+        keyed.put("k", chunks[0])
+        calls.clear()
+        assert torch.equal(keyed.get_full("k"), chunks[0]) and calls  # with a MAC: always checked

@@ -77,26 +77,42 @@ class LRU(Generic[V]):
 
 class MemoryTier(CapacityTier):
     """Capacity tier in this process's memory, bounded by ``max_bytes`` (LRU). Not shared between
-    processes and lost on exit; useful for tests, benchmarks and single-process serving."""
+    processes and lost on exit; useful for tests, benchmarks and single-process serving.
+
+    Each value remembers who wrote it: :meth:`put_own` tags it with the writer's token and
+    :meth:`get_own` tells that writer whether the value is still the one it wrote (immutable
+    ``bytes`` in this process, so it needs no re-check of its checksum); a value put since by anyone
+    else (:meth:`put`, another token) is not its own."""
 
     name = "memory"
 
     def __init__(self, max_bytes: int) -> None:
-        self._lru: LRU[bytes] = LRU(max_bytes)
+        self._lru: LRU[tuple[bytes, object]] = LRU(max_bytes)
         self._closed = False
 
     def put(self, key: str, data: Blob) -> None:
+        self.put_own(key, data, None)
+
+    def put_own(self, key: str, data: Blob, writer: object) -> None:
+        """``put``, the value tagged with ``writer`` (any object the writer keeps; ``None``: nobody's)."""
         check_key(key)
         if self._closed:
             raise TierError(f"memory tier: put {key!r} after close")
         value = data if isinstance(data, bytes) else bytes(data)  # never alias a mutable buffer
-        if not self._lru.put(key, value, len(value)):
+        if not self._lru.put(key, (value, writer), len(value)):
             raise TierError(
                 f"memory tier: value for {key!r} is {len(value)} bytes, larger than the tier ({self._lru.max_bytes})"
             )
 
     def get(self, key: str) -> bytes | None:
-        return self._lru.get(key)
+        return self.get_own(key, None)[0]
+
+    def get_own(self, key: str, writer: object) -> tuple[bytes | None, bool]:
+        """The value at ``key`` and whether ``writer`` (not ``None``) put it with :meth:`put_own`."""
+        item = self._lru.get(key)
+        if item is None:
+            return None, False
+        return item[0], writer is not None and item[1] is writer
 
     def contains(self, key: str) -> bool:
         return key in self._lru
