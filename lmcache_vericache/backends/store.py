@@ -88,10 +88,12 @@ class DualTierStore:
       without the key, or moved to another key, is rejected. Compressed values read from the tier
       must match the store's compressor, parameters and head count and pass
       ``compressors.validate``; full values must be ``[2, L, T, heads*D]``. One exception: a full
-      chunk this store wrote into a :class:`MemoryTier` (no MAC) and still there, unchanged, is
+      chunk this store wrote into a plain :class:`MemoryTier` (no MAC) and still there, unchanged, is
       immutable ``bytes`` in this process: its digest is not computed again on every read (~47 ms
-      of a core per 8k SmolLM2 prefix, taken from the drafting it runs beside); its framing and
-      shape still are. A value anyone else put there is checked in full.
+      of a core per 8k SmolLM2 prefix, taken from the drafting it runs beside); its framing, length
+      and shape still are. "Unchanged" relies on the contract above: nobody writes through the
+      tensors ``get_full`` returns (they view the tier's bytes; every reader in this package copies
+      them out). A value anyone else put there is checked in full.
     * Closing: reads not yet started are cancelled; ``PrefetchHandle.wait`` then returns misses.
     """
 
@@ -122,8 +124,10 @@ class DualTierStore:
         self._futures: weakref.WeakSet[Future] = weakref.WeakSet()
         self._rejected: LRU[bool] = LRU(1 << 16)  # keys whose values failed the MAC (bounded)
         self._mac_key = None if mac_key is None else mac.derive_key(mac_key)
-        # the token tagging this store's own writes into an in-process tier (None: every read checked)
-        self._writer = object() if isinstance(capacity, MemoryTier) and mac_key is None else None
+        # The token tagging this store's own writes into the in-process tier (None: every read
+        # checked). The plain MemoryTier only: a subclass's put / get may do more (fault injection,
+        # metrics) and must see every call.
+        self._writer = object() if type(capacity) is MemoryTier and mac_key is None else None
         self._full_sfx, self._ckv_sfx = mac.MAC_SUFFIXES if mac_key is not None else (FULL_SUFFIX, COMPRESSED_SUFFIX)
         self._bind_metrics(getattr(capacity, "name", type(capacity).__name__))
 

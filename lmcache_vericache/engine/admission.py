@@ -106,16 +106,18 @@ class Admission:
         # Set-up time (``prefill_s``) includes the cache's allocation: a zeroed 8k cache of SmolLM2 is
         # 190 MB, 0.1-0.25 s to fault in, a cost of admitting the request, not of decoding it.
         t0 = time.perf_counter()
-        full = res.pool.lease() if res.offload else self.rt.new_cache(self.config.capacity(len(ids), batch.max_new))
+        twin, logits = twins.get(tuple(ids), (None, None))
+        if res.offload:  # the verify cache goes back to the pool below
+            full = res.pool.lease()
+        else:
+            full = twin.full.clone() if twin is not None and twin.full is not None else self.rt.new_cache(
+                self.config.capacity(len(ids), batch.max_new))  # (a verkv twin holds no full cache)
         if full is None:
             return None
         r = Request(i, list(ids), len(ids), batch.max_new, full, gen=torch.Generator().manual_seed(batch.seed + i),
                     t0=batch.t0)
         r.stats.prompt_tokens = len(ids)
-        if tuple(ids) in twins:
-            twin, logits = twins[tuple(ids)]
-            if not res.offload:  # offload: the verify cache goes back to the pool below
-                r.full = twin.full.clone()
+        if twin is not None:
             r.draft = twin.draft.clone() if twin.draft is not None else None
             r.prefix, r.keys, r.prefix_missing = twin.prefix, list(twin.keys), twin.prefix_missing
             r.queries = twin.queries

@@ -46,12 +46,21 @@ def test_draw_follows_its_weights_and_never_draws_a_zero():
     assert _pvalue(counts, torch.cat([p[top], 1 - p[top].sum()[None]])) > 1e-3
 
 
+@pytest.mark.parametrize("u", [0.0, 0.5, 1 - 2.0 ** -53])  # the smallest, a middle and the largest uniform
+def test_draw_at_the_ends_of_the_uniform_never_picks_a_zero(u, monkeypatch):
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor(u, dtype=torch.float64))
+    assert draw(torch.tensor([0.0, 1.0, 0.0]), None) == 1
+    assert draw(torch.tensor([0.0, 0.0, 2.0, 3.0, 0.0]), None) == (2 if u < 0.4 else 3)
+
+
 def test_draw_is_seeded_and_refuses_empty_weights():
     w = torch.rand(1000, generator=torch.Generator().manual_seed(1))
     a = [draw(w, torch.Generator().manual_seed(7)) for _ in range(3)]
     assert a == [draw(w, torch.Generator().manual_seed(7)) for _ in range(3)]
-    with pytest.raises(ValueError, match="summing to 0"):
-        draw(torch.zeros(5), None)
+    for bad in (torch.zeros(5), torch.tensor([1.0, float("inf")]), torch.tensor([1.0, float("nan")]),
+                torch.tensor([2.0, -1.0])):
+        with pytest.raises(ValueError, match="cannot draw"):
+            draw(bad, None)
 
 
 def test_accept_rule_matches_target_with_filters(one_thread):

@@ -78,3 +78,12 @@ def test_kvfetch_drafter_over_a_prefix_from_the_store_is_identical(smollm2, prom
         [res] = eng.generate([prompt], 24)
     assert res.stats.cached_chunks == (len(prompt) - 1) // 256  # one prompt token stays uncached
     assert res.tokens == reference[:24] and res.stats.kvfetch["decisions"] > 0
+
+
+def test_verkv_serves_the_same_prompt_twice_in_one_batch(tiny_model):
+    # The second request copies the first's set-up (a twin); a verkv request keeps no full cache,
+    # so the twin must not clone one (it raised AttributeError before).
+    prompt = [(7 * i) % 251 + 3 for i in range(600)]
+    with VeriCacheEngine(tiny_model, "poissoncomp", {"keep_ratio": 0.125}, mode="verkv", draft_len=4) as eng:
+        a, b = eng.generate([prompt, prompt], 12)
+    assert a.tokens == b.tokens and len(a.tokens) == 12
