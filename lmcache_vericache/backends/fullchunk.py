@@ -44,13 +44,13 @@ def encode_full(t: torch.Tensor) -> bytes:
 
 
 def decode_full(buf: Buffer, *, check_digest: bool = True) -> torch.Tensor:
-    """Verify and parse (``check_digest=False``: the framing only, for bytes the caller wrote itself
-    and held immutable since, see ``DualTierStore``). The tensor views ``buf`` without a copy: a writable ``buf`` must not be
-    reused by the caller, and a read-only one (``bytes``, e.g. the memory tier's value, which every
-    reader of that key shares) must not be written through the tensor. Every reader in this package
-    only copies a full chunk out (into a cache, a paged block, a LocalCPU object). Not copying
-    matters on the swap path: a fresh buffer per chunk costs a page fault per page, which can cost
-    more than the copies themselves (docs/benchmarks.md)."""
+    """Verify and parse (``check_digest=False``: framing and length only, for bytes the caller wrote
+    itself and held immutable since, see ``DualTierStore``). The tensor views ``buf`` without a copy:
+    a writable ``buf`` must not be reused by the caller, and a read-only one (``bytes``, e.g. the
+    memory tier's value, which every reader of that key shares) must not be written through the
+    tensor. Every reader in this package only copies a full chunk out (into a cache, a paged block,
+    a LocalCPU object). Not copying matters on the swap path: a fresh buffer per chunk costs a page
+    fault per page, which can cost more than the copies themselves (docs/benchmarks.md)."""
     mv = memoryview(buf).cast("B")
     size = mv.nbytes
     if size < _PREFIX.size + DIGEST_SIZE:

@@ -216,16 +216,19 @@ class DualTierStore:
             raise
 
     # -- integrity --------------------------------------------------------------------------------
-    def _read(self, tier_key: str) -> Buffer | None:
-        """The value at ``tier_key`` with its MAC checked and stripped; ``None`` for a miss.
-        Raises :class:`InvalidChunkError` for a value whose tag does not verify."""
+    def _read(self, tier_key: str) -> tuple[Buffer | None, bool]:
+        """The value at ``tier_key`` with its MAC checked and stripped (``None`` for a miss), and
+        whether it is this store's own unchanged write into the in-process tier (see the class
+        docstring). Raises :class:`InvalidChunkError` for a value whose tag does not verify."""
+        if self._writer is not None:  # the plain memory tier, no MAC
+            return self.capacity.get_own(tier_key, self._writer)
         blob = self.capacity.get(tier_key)
         if blob is None or self._mac_key is None:
-            return blob
+            return blob, False
         body = mac.unseal(self._mac_key, tier_key, blob)
         if body is None:
             raise UnauthenticatedChunkError("MAC does not verify (written without this store's key, or tampered with)")
-        return body
+        return body, False
 
     def _reject(self, key: str, what: str, err: Exception) -> None:
         """Count and log a bad value. Corrupt and invalid values are garbage under any key, so they
@@ -266,7 +269,7 @@ class DualTierStore:
         hot = ckv is not None
         if ckv is None:
             try:
-                blob = self._read(key + self._ckv_sfx)
+                blob, _ = self._read(key + self._ckv_sfx)
                 if blob is not None:
                     self._count(bytes_read=len(blob))
                     self._check_compressed(from_bytes(blob))
@@ -350,10 +353,7 @@ class DualTierStore:
 
     def _read_full_timed(self, key: str) -> Tensor | None:
         try:
-            if self._writer is not None:
-                blob, own = self.capacity.get_own(key + self._full_sfx, self._writer)
-            else:
-                blob, own = self._read(key + self._full_sfx), False
+            blob, own = self._read(key + self._full_sfx)
             if blob is None:
                 self._count(full_misses=1)
                 return None

@@ -29,11 +29,9 @@ def draw(weights: Tensor, gen: torch.Generator | None) -> int:
     total = float(cdf[-1])
     if not (total > 0 and math.isfinite(total)) or float(weights.min()) < 0:
         raise ValueError(f"cannot draw from weights summing to {total} (all must be finite and >= 0)")
-    while True:
-        i = int(torch.searchsorted(cdf, float(torch.rand((), dtype=torch.float64, generator=gen)) * total,
-                                   right=True))
-        if i < cdf.numel():  # guard: u * total rounded up to total (u < 1 should prevent it)
-            return i
+    # u <= 1 - 2**-53, so u * total rounds below total: some running sum exceeds it, i < V
+    u = float(torch.rand((), dtype=torch.float64, generator=gen))
+    return int(torch.searchsorted(cdf, u * total, right=True))
 
 
 def host(t: Tensor) -> Tensor:
