@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from . import token_ops
 from .linear import apply
 from .model import DecoderModel
 
@@ -22,6 +23,10 @@ class HfModel(DecoderModel):
         # engine/linear.py's layers; any other MLP is called as it is (decided once, not per step)
         self._gated_mlp = [all(hasattr(layer.mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn"))
                            for layer in self.layers]
+        # Llama-family RMSNorms run as one kernel call each (engine/token_ops.py); others as they are
+        self._fast_norms = all(token_ops.is_llama_rms_norm(n) for layer in self.layers for n in
+                               (layer.input_layernorm, layer.post_attention_layernorm)) and \
+            token_ops.is_llama_rms_norm(self.body.norm)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -37,8 +42,11 @@ class HfModel(DecoderModel):
         cos, sin = self.body.rotary_emb(self._probe, positions[None])
         return cos[0], sin[0]
 
+    def _norm(self, module: torch.nn.Module, x: Tensor) -> Tensor:
+        return token_ops.rms_norm(module, x) if self._fast_norms else module(x)
+
     def input_norm(self, layer: int, x: Tensor) -> Tensor:
-        return self.layers[layer].input_layernorm(x)
+        return self._norm(self.layers[layer].input_layernorm, x)
 
     def qkv(self, layer: int, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         attn, n, d = self.layers[layer].self_attn, h.shape[0], self.head_dim
@@ -55,7 +63,7 @@ class HfModel(DecoderModel):
         return apply(self.layers[layer].self_attn.o_proj, x)
 
     def post_attention_norm(self, layer: int, x: Tensor) -> Tensor:
-        return self.layers[layer].post_attention_layernorm(x)
+        return self._norm(self.layers[layer].post_attention_layernorm, x)
 
     def mlp(self, layer: int, x: Tensor) -> Tensor:
         mlp = self.layers[layer].mlp
@@ -64,7 +72,7 @@ class HfModel(DecoderModel):
         return apply(mlp.down_proj, mlp.act_fn(apply(mlp.gate_proj, x)) * apply(mlp.up_proj, x))
 
     def final_norm(self, x: Tensor) -> Tensor:
-        return self.body.norm(x)
+        return self._norm(self.body.norm, x)
 
     def lm_head(self, x: Tensor) -> Tensor:
         return apply(self.hf.lm_head, x)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import chunk_prefix, codebook_attention, int8_attention, kernels, kvfetch
+from . import chunk_prefix, codebook_attention, int8_attention, kernels, kvfetch, token_ops
 from .cache import KVCache
 from .chunk_prefix import ChunkPrefix
 from .codebook_attention import CodebookPrefix
@@ -338,6 +338,7 @@ class Runtime:
             # Built or loaded now, once per process, so that neither lands inside a timed round or
             # a vLLM step (a first build says so on stderr: kernels.build).
             kernels.build("dense_attention")
+            kernels.build("token_ops")
             if isinstance(self.model, HfModel):  # its nn.Linear layers run through engine/linear.py
                 kernels.build("linear")
 
@@ -384,8 +385,7 @@ class Runtime:
         for li in range(self.num_layers):
             q, k, v = m.qkv(li, m.input_norm(li, x))
             q, k = m.qk_norm(li, q, k)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q, k = token_ops.rope(q, cos, sin), token_ops.rope(k, cos, sin)
             if capture_q:
                 captured.append(q[-capture_q:].transpose(0, 1))
             if batch is not None:
@@ -417,7 +417,3 @@ class Runtime:
         logits = m.lm_head(m.final_norm(x)).float()
         return logits, (torch.stack(captured) if capture_q else None)
 
-
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -15,22 +15,30 @@ from dataclasses import dataclass
 
 import torch
 
+from . import token_ops
+
 Tensor = torch.Tensor
 
 
 def draw(weights: Tensor, gen: torch.Generator | None) -> int:
     """One index drawn from ``weights [V]`` (non-negative, any positive total) in proportion to
-    them: the inverse CDF at one uniform, in float64. The distribution ``torch.multinomial`` draws
-    (to float64's resolution; it uses the generator's stream differently, so seeded samples differ
-    from it), at a fraction of its cost on a CPU (about 0.1 against 1 ms for SmolLM2's 49,152 entries:
-    it draws one random variate per entry), which every sampled token pays once or twice. An entry of
-    weight 0 is never drawn: the first index whose running sum exceeds ``u`` has a positive weight."""
+    them: the inverse CDF at one uniform, summed in float64 (``kernels/token_ops.cpp`` on a CPU:
+    block sums, then one block's running sum; ``torch.cumsum`` elsewhere). The distribution
+    ``torch.multinomial`` draws (to float64's resolution; it uses the generator's stream
+    differently, so seeded samples differ from it), at a fraction of its cost on a CPU (it draws one
+    random variate per entry: ~1 ms for SmolLM2's 49,152 entries, the kernel ~0.02 ms), which every
+    sampled token pays once or twice. An entry of weight 0 is never drawn: the first index whose
+    running sum exceeds ``u`` has a positive weight."""
+    # u <= 1 - 2**-53, so u * total rounds below total: some running sum exceeds it, i < V
+    u = float(torch.rand((), dtype=torch.float64, generator=gen))
+    i = token_ops.draw_index(weights, u)
+    if i is not None and i >= 0:
+        return i
+    # no kernel here, or weights it refused (-1): PyTorch's path, which says what is wrong
     cdf = weights.double().cumsum(0)
     total = float(cdf[-1])
     if not (total > 0 and math.isfinite(total)) or float(weights.min()) < 0:
         raise ValueError(f"cannot draw from weights summing to {total} (all must be finite and >= 0)")
-    # u <= 1 - 2**-53, so u * total rounds below total: some running sum exceeds it, i < V
-    u = float(torch.rand((), dtype=torch.float64, generator=gen))
     return int(torch.searchsorted(cdf, u * total, right=True))
 
 
@@ -62,6 +70,8 @@ class Sampling:
 
     def probs(self, logits: Tensor) -> Tensor:
         """Processed distribution ``[..., V]`` (float32) of ``logits``."""
+        if not self.top_k and self.top_p == 1:
+            return token_ops.softmax(logits.float(), self.temperature)
         x = logits.float() / self.temperature
         if self.top_k and self.top_k < x.shape[-1]:
             kth = x.topk(self.top_k, dim=-1).values[..., -1:]

@@ -30,14 +30,20 @@ def _pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
     return float(chisquare(obs_c.numpy(), exp_c.numpy() * obs_c.sum().item() / exp_c.sum().item()).pvalue)
 
 
-def test_draw_follows_its_weights_and_never_draws_a_zero():
+# float32 weights take the kernel's draw (kernels/token_ops.cpp), float64 PyTorch's cumsum: both
+# must draw the same distribution and refuse the same weights
+DRAW_DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["kernel", "torch"])
+
+
+@DRAW_DTYPES
+def test_draw_follows_its_weights_and_never_draws_a_zero(dtype):
     g = torch.Generator().manual_seed(0)
-    w = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.5, 0.0, 2.5, 0.0])  # unnormalized, zeros inside and at both ends
+    w = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.5, 0.0, 2.5, 0.0], dtype=dtype)  # unnormalized, zeros inside and at both ends
     counts = torch.bincount(torch.tensor([draw(w, g) for _ in range(20000)]), minlength=len(w)).float()
     assert counts[w == 0].sum() == 0
     assert _pvalue(counts, w / w.sum()) > 1e-3
     # a vocabulary-sized float32 distribution from softmax, as the engine draws them
-    p = torch.softmax(torch.randn(49152, generator=g) * 3, 0)
+    p = torch.softmax(torch.randn(49152, generator=g) * 3, 0).to(dtype)
     top = p.topk(4).indices
     counts = torch.zeros(5)
     for _ in range(8000):
@@ -46,21 +52,27 @@ def test_draw_follows_its_weights_and_never_draws_a_zero():
     assert _pvalue(counts, torch.cat([p[top], 1 - p[top].sum()[None]])) > 1e-3
 
 
+@DRAW_DTYPES
 @pytest.mark.parametrize("u", [0.0, 0.5, 1 - 2.0 ** -53])  # the smallest, a middle and the largest uniform
-def test_draw_at_the_ends_of_the_uniform_never_picks_a_zero(u, monkeypatch):
+def test_draw_at_the_ends_of_the_uniform_never_picks_a_zero(u, dtype, monkeypatch):
     monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor(u, dtype=torch.float64))
-    assert draw(torch.tensor([0.0, 1.0, 0.0]), None) == 1
-    assert draw(torch.tensor([0.0, 0.0, 2.0, 3.0, 0.0]), None) == (2 if u < 0.4 else 3)
+    assert draw(torch.tensor([0.0, 1.0, 0.0], dtype=dtype), None) == 1
+    assert draw(torch.tensor([0.0, 0.0, 2.0, 3.0, 0.0], dtype=dtype), None) == (2 if u < 0.4 else 3)
+    # past the kernel's 256-entry blocks: zero blocks at both ends, the mass in one entry of a middle block
+    w = torch.zeros(1000, dtype=dtype)
+    w[300], w[700] = 1.0, 3.0
+    assert draw(w, None) == (300 if u < 0.25 else 700)
 
 
-def test_draw_is_seeded_and_refuses_empty_weights():
-    w = torch.rand(1000, generator=torch.Generator().manual_seed(1))
+@DRAW_DTYPES
+def test_draw_is_seeded_and_refuses_empty_weights(dtype):
+    w = torch.rand(1000, generator=torch.Generator().manual_seed(1)).to(dtype)
     a = [draw(w, torch.Generator().manual_seed(7)) for _ in range(3)]
     assert a == [draw(w, torch.Generator().manual_seed(7)) for _ in range(3)]
     for bad in (torch.zeros(5), torch.tensor([1.0, float("inf")]), torch.tensor([1.0, float("nan")]),
-                torch.tensor([2.0, -1.0])):
+                torch.tensor([2.0, -1.0]), torch.tensor([1.0] * 300 + [-0.5])):
         with pytest.raises(ValueError, match="cannot draw"):
-            draw(bad, None)
+            draw(bad.to(dtype), None)
 
 
 def test_accept_rule_matches_target_with_filters(one_thread):

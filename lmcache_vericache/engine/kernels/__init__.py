@@ -26,7 +26,8 @@ _CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fn
            "-fno-trapping-math", "-fopenmp"]
 # Per kernel, after _CFLAGS. linear: its sums stay in the order written (each output one fixed
 # order whatever the rows beside it; its vectors are explicit, nothing needs reassociation).
-_KERNEL_CFLAGS = {"linear": ["-fno-associative-math"]}
+# token_ops: no product fused into a sum (rotary embedding rounds as PyTorch's separate ops do).
+_KERNEL_CFLAGS = {"linear": ["-fno-associative-math"], "token_ops": ["-ffp-contract=off"]}
 # A build happens once per CPU and source version; without a word a first run looks hung.
 NOTICE = ("vericache: building the C++ kernels for this CPU (first use, about a minute; "
           "'vericache build-kernels' does it ahead)")
