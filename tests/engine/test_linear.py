@@ -47,8 +47,9 @@ def test_the_kernel_computes_x_times_w_transposed(dtype, rows):
 
 @needs_compiler
 def test_a_row_does_not_depend_on_the_rows_beside_it():
-    """Row m's output is bit-identical whether it runs alone, in a block of 4 or in a 3-row tail:
-    a decode step and a verify block compute the same linear layers."""
+    """Row m's output is bit-identical whether it runs alone, in a block of 4 or 8 rows (the kernel's
+    two register shapes, chosen by the call's rows) or in a tail: a decode step and a verify block
+    compute the same linear layers."""
     mod = kernels.build("linear")
     g = torch.Generator().manual_seed(0)
     x32 = torch.randn(23, 576, generator=g)
@@ -59,7 +60,8 @@ def test_a_row_does_not_depend_on_the_rows_beside_it():
             full = mod.linear(x, w)
             for m in (0, 5, 21, 22):
                 assert torch.equal(mod.linear(x[m:m + 1].contiguous(), w)[0], full[m])
-            for a, b in ((3, 10), (21, 23), (0, 4)):  # blocks of 4 + 3-row tail, a 2-row tail, one block
+            # 4 + a 3-row tail, a 2-row tail, one block of 4, one of 8, 8 + a 5-row tail (23 rows: 8 + 8 + 7)
+            for a, b in ((3, 10), (21, 23), (0, 4), (0, 8), (5, 18)):
                 assert torch.equal(mod.linear(x[a:b].contiguous(), w), full[a:b])
 
 

@@ -4,9 +4,10 @@
 //
 // Why: with M = 1-200 rows the weights dominate the bytes, and the BLAS PyTorch calls on a CPU runs
 // far from that bound for so few rows (MKL on an AVX2-only CPU; worst with bf16 weights, which it
-// has no arithmetic for; docs/benchmarks.md). Here each block of kCols weight rows is read from
-// memory once, widened to float once per vector (bf16), and multiplied into R x kCols register
-// accumulators for every block of R <= kRowsMax input rows while it sits in L1.
+// has no arithmetic for; docs/benchmarks.md). Here each block of C weight rows is read from
+// memory once, widened to float once per vector (bf16), and multiplied into R x C register
+// accumulators for every block of R input rows (up to 4, or 8 where the CPU has 32 vector registers
+// and the call as many rows) while it sits in L1.
 //
 // Each output element is one dot product, its K products summed lane-wise (lane l takes k = l mod
 // kW) and the lanes then in a fixed order (built without -fassociative-math, kernels/__init__.py,
@@ -41,14 +42,21 @@ using vericache::load_as_float;
 using vericache::load_floats;
 using vericache::vfloat;
 
-// Accumulators R x kCols plus kCols weight vectors and one input vector fit the register file:
-// AVX2 / SSE (16 registers) 4 x 3 + 3 + 1, AVX-512 (32) 4 x 6 + 6 + 1.
-constexpr int kRowsMax = 4;
-constexpr int kCols = (kVecRegs - 1) / (kRowsMax + 1);
+// Accumulators R x C plus C weight vectors and one input vector fit the register file, in one of two
+// shapes: wide, up to 4 rows x kColsWide (AVX2 / SSE, 16 registers: 4 x 3 + 3 + 1; AVX-512, 32:
+// 4 x 6 + 6 + 1), and with 32 registers tall, 8 rows x 3 (8 x 3 + 3 + 1), for calls of 8 rows or
+// more: a decode step's 8 rows then take one pass over each weight block, not two (SmolLM2's 30
+// layers and LM head, 8 bf16 rows, weights from DRAM, 2-core EPYC: 13.6 against 15.7 ms; 40 rows
+// equal; fp32 weights 8-40 rows 6-22% faster), while fewer rows keep the wide shape's 6 independent
+// sums per row (tall, 1-3 fp32 rows ran 10-15% slower).
+constexpr int kRowsWide = 4;
+constexpr int kColsWide = (kVecRegs - 1) / (kRowsWide + 1);
+constexpr int kRowsTall = kVecRegs == 32 ? 8 : kRowsWide;
+constexpr int kColsTall = (kVecRegs - 1) / (kRowsTall + 1);
 
 // Elements of a weight row fetched ahead of the products (the widening path).
 constexpr int64_t kAhead = 512;
-// The dot path fetches whole blocks ahead: a block's kCols weight rows are contiguous and the next
+// The dot path fetches whole blocks ahead: a block's C weight rows are contiguous and the next
 // blocks follow them, so while a block is multiplied the one kPfBlocks ahead is fetched, a step's
 // share of its lines at each step (a prefetch past the weights does not fault). A few rows'
 // products per weight hide too little of the memory's latency: 8 rows of SmolLM2's layers in bf16
@@ -65,48 +73,60 @@ inline float lane_sum(vfloat a) {
 
 // y[r, j] for R rows of x (row stride K) and the weight rows w0 + j*K, j < cols (the rest repeat
 // the last one and are not stored), stored as TY (bf16: rounded to nearest even, as .to() does).
-template <int R, typename T, typename TY>
+template <int R, int C, typename T, typename TY>
 inline void block(const float* __restrict__ x, const T* __restrict__ w0, int64_t K, int cols,
                   TY* __restrict__ y, int64_t ldy) {
-  vfloat acc[R][kCols] = {};
-  const T* wr[kCols];
-  for (int j = 0; j < kCols; ++j) wr[j] = w0 + std::min(j, cols - 1) * K;
+  vfloat acc[R][C] = {};
+  const T* wr[C];
+  for (int j = 0; j < C; ++j) wr[j] = w0 + std::min(j, cols - 1) * K;
   for (int64_t k = 0; k < K; k += kW) {
-    vfloat wv[kCols];
-    for (int j = 0; j < kCols; ++j) {
+    vfloat wv[C];
+    for (int j = 0; j < C; ++j) {
       __builtin_prefetch(wr[j] + k + kAhead);
       wv[j] = load_as_float(wr[j] + k);
     }
     for (int r = 0; r < R; ++r) {
       const vfloat xv = load_floats(x + r * K + k);
-      for (int j = 0; j < kCols; ++j) acc[r][j] += xv * wv[j];
+      for (int j = 0; j < C; ++j) acc[r][j] += xv * wv[j];
     }
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < cols; ++j) y[r * ldy + j] = static_cast<TY>(lane_sum(acc[r][j]));
 }
 
-// Threads split the weight rows into blocks of kCols (each reads its share of w once, for all M
-// rows); within a block the rows go kRowsMax at a time, the last 1-3 with as many accumulators as
-// rows (no wasted products). tile(R, m, n0, cols): rows m..m+R of output columns n0..n0+cols, R a
-// std::integral_constant (the block functions take it as a template argument).
-template <typename Tile>
-void for_tiles(int64_t M, int64_t N, const Tile& tile) {
-  const int64_t col_blocks = (N + kCols - 1) / kCols;
+// Threads split the weight rows into blocks of C (each reads its share of w once, for all M rows);
+// within a block the rows go RMax at a time, the rest with as many accumulators as rows (no wasted
+// products). tile(R, C, m, n0, cols): rows m..m+R of output columns n0..n0+cols, R and C
+// std::integral_constants (the block functions take them as template arguments).
+template <int RMax, int C, typename Tile>
+void tiles_of(int64_t M, int64_t N, const Tile& tile) {
+  using Cols = std::integral_constant<int, C>;
+  const int64_t col_blocks = (N + C - 1) / C;
   at::parallel_for(0, col_blocks, 16, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t n0 = b * kCols;
-      const int cols = static_cast<int>(std::min<int64_t>(kCols, N - n0));
+      const int64_t n0 = b * C;
+      const int cols = static_cast<int>(std::min<int64_t>(C, N - n0));
       int64_t m = 0;
-      for (; m + kRowsMax <= M; m += kRowsMax) tile(std::integral_constant<int, kRowsMax>{}, m, n0, cols);
-      switch (M - m) {
-        case 3: tile(std::integral_constant<int, 3>{}, m, n0, cols); break;
-        case 2: tile(std::integral_constant<int, 2>{}, m, n0, cols); break;
-        case 1: tile(std::integral_constant<int, 1>{}, m, n0, cols); break;
+      for (; m + RMax <= M; m += RMax) tile(std::integral_constant<int, RMax>{}, Cols{}, m, n0, cols);
+      switch (M - m) {  // the cases at or past RMax cannot occur, and are not instantiated
+        case 7: if constexpr (RMax > 7) tile(std::integral_constant<int, 7>{}, Cols{}, m, n0, cols); break;
+        case 6: if constexpr (RMax > 6) tile(std::integral_constant<int, 6>{}, Cols{}, m, n0, cols); break;
+        case 5: if constexpr (RMax > 5) tile(std::integral_constant<int, 5>{}, Cols{}, m, n0, cols); break;
+        case 4: if constexpr (RMax > 4) tile(std::integral_constant<int, 4>{}, Cols{}, m, n0, cols); break;
+        case 3: tile(std::integral_constant<int, 3>{}, Cols{}, m, n0, cols); break;
+        case 2: tile(std::integral_constant<int, 2>{}, Cols{}, m, n0, cols); break;
+        case 1: tile(std::integral_constant<int, 1>{}, Cols{}, m, n0, cols); break;
         default: break;
       }
     }
   });
+}
+
+// The register block's shape by the call's rows (kRowsTall's comment).
+template <typename Tile>
+void for_tiles(int64_t M, int64_t N, const Tile& tile) {
+  if (M >= kRowsTall && kRowsTall > kRowsWide) tiles_of<kRowsTall, kColsTall>(M, N, tile);
+  else tiles_of<kRowsWide, kColsWide>(M, N, tile);
 }
 
 #if defined(__AVX512BF16__) && !defined(VERICACHE_VEC_WIDTH)
@@ -114,25 +134,25 @@ void for_tiles(int64_t M, int64_t N, const Tile& tile) {
 // k = kDotW i + 2 l and + 2 l + 1 in order of i (vdpbf16ps adds each pair to its lane), the lanes
 // then in a fixed tree (_mm512_reduce_add_ps: 4 shuffle-adds; 16 scalar adds per output took 11-13%
 // longer at K = 576), so a row's result still depends on x[m] and w only.
-template <int R, typename TY>
+template <int R, int C, typename TY>
 inline void block_dot(const c10::BFloat16* __restrict__ x, const c10::BFloat16* __restrict__ w0, int64_t K,
                       int cols, TY* __restrict__ y, int64_t ldy) {
-  __m512 acc[R][kCols];
+  __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < kCols; ++j) acc[r][j] = _mm512_setzero_ps();
-  const c10::BFloat16* wr[kCols];
-  for (int j = 0; j < kCols; ++j) wr[j] = w0 + std::min(j, cols - 1) * K;
-  // a step reads kCols lines of the block: it fetches kCols lines of the block kPfBlocks ahead
-  const char* ahead = reinterpret_cast<const char*>(w0 + kPfBlocks * kCols * K);
+    for (int j = 0; j < C; ++j) acc[r][j] = _mm512_setzero_ps();
+  const c10::BFloat16* wr[C];
+  for (int j = 0; j < C; ++j) wr[j] = w0 + std::min(j, cols - 1) * K;
+  // a step reads C lines of the block: it fetches C lines of the block kPfBlocks ahead
+  const char* ahead = reinterpret_cast<const char*>(w0 + kPfBlocks * C * K);
   for (int64_t k = 0; k < K; k += kDotW) {
-    __m512bh wv[kCols];
-    for (int j = 0; j < kCols; ++j) {
-      __builtin_prefetch(ahead + (k / kDotW * kCols + j) * 64);
+    __m512bh wv[C];
+    for (int j = 0; j < C; ++j) {
+      __builtin_prefetch(ahead + (k / kDotW * C + j) * 64);
       wv[j] = (__m512bh)_mm512_loadu_si512(wr[j] + k);
     }
     for (int r = 0; r < R; ++r) {
       const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * K + k);
-      for (int j = 0; j < kCols; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
+      for (int j = 0; j < C; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
     }
   }
   for (int r = 0; r < R; ++r)
@@ -147,8 +167,8 @@ torch::Tensor run_dot(const torch::Tensor& x, const torch::Tensor& w) {
   const auto* xp = x.data_ptr<c10::BFloat16>();
   const auto* wp = w.data_ptr<c10::BFloat16>();
   auto* yp = y.template data_ptr<TY>();
-  for_tiles(M, N, [&](auto R, int64_t m, int64_t n0, int cols) {
-    block_dot<decltype(R)::value>(xp + m * K, wp + n0 * K, K, cols, yp + m * N + n0, N);
+  for_tiles(M, N, [&](auto R, auto C, int64_t m, int64_t n0, int cols) {
+    block_dot<decltype(R)::value, decltype(C)::value>(xp + m * K, wp + n0 * K, K, cols, yp + m * N + n0, N);
   });
   return y;
 }
@@ -171,8 +191,8 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w) {
   }
   const T* wp = w.data_ptr<T>();
   TY* yp = y.data_ptr<TY>();
-  for_tiles(M, N, [&](auto R, int64_t m, int64_t n0, int cols) {
-    block<decltype(R)::value>(xp + m * K, wp + n0 * K, K, cols, yp + m * N + n0, N);
+  for_tiles(M, N, [&](auto R, auto C, int64_t m, int64_t n0, int cols) {
+    block<decltype(R)::value, decltype(C)::value>(xp + m * K, wp + n0 * K, K, cols, yp + m * N + n0, N);
   });
   return y;
 }
