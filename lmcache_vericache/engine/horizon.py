@@ -38,13 +38,16 @@ sets it only with the full KV resident, where no round after the first swaps. Th
 first drafting round without a swap (a swap slows the drafting it shares the CPU with, so rounds
 beside it say little about drafting's rate) is plain: a plain step takes another attention path
 than a verify block, so its cost is measured, not extrapolated from verify blocks; a trial is
-``plain_trial`` rounds and their median decides (one slow step does not), unless drafting measured
+``plain_trial`` rounds and their median decides (one slow step does not), unless drafting is
 ``settle_margin`` (1.25x) faster than even the faster of its own first two rounds: then drafting is
 chosen at once (a first plain step after drafting rounds runs up to ~15% slow, and one slow step must
 not decide, hence two and the margin; at 8k / batch 8 the 2 rounds saved per trial are 1-2% of a
-128-token run). From then on the
-measured tokens/s of plain and drafting rounds decide (the mode in use stays unless the other
-measured ``switch_margin`` faster), and each mode is re-measured now and then, so a change in
+128-token run). Drafting's rate there is the larger of the rounds' measured rate and the rate the
+cost model gives at a block size actually verified (measured step and verify, the acceptance rate):
+the one clean round before the first trial is one sample of acceptance, and its rejections (8k /
+batch 8, every row of one run: under 10 tok/s, against ~11.5 in the later rounds) had run all four
+trial rounds. From then on the measured tokens/s of plain and drafting rounds decide (the mode in
+use stays unless the other measured ``switch_margin`` faster), and each mode is re-measured now and then, so a change in
 acceptance or costs is noticed at a bounded price: while plain wins, one drafting round once the
 plain rounds have run ``probe_ratio`` times as long as the last drafting round took (none in a
 short run); while drafting wins, a plain trial once drafting has run ``probe_ratio`` times as long
@@ -187,7 +190,7 @@ class Horizon:
             self._trial_left -= 1
             # this trial's own first two plain steps (none of an earlier trial's) both far slower than drafting
             settled = (self.L == 0 and not self._plain_chosen and len(self._trial_steps) == 2
-                       and self._draft_rate * min(self._trial_steps) > self.settle_margin)
+                       and max(self._draft_rate, self._model_rate()) * min(self._trial_steps) > self.settle_margin)
             if self.L == 0 and (settled or self._trial_left <= 0):
                 self._plain_chosen = False if settled else self._prefer_plain()
                 if not self._plain_chosen or self._mode_s >= self.probe_ratio * self._round_s:
@@ -275,6 +278,14 @@ class Horizon:
         """Tokens/s of plain rounds: the median of the recent ones (the first plain steps after
         drafting rounds run slow), 0 before any."""
         return 1.0 / statistics.median(self._plain_steps) if self._plain_steps else 0.0
+
+    def _model_rate(self) -> float:
+        """Expected tokens/s of the best block size verified so far (measured costs, no
+        extrapolation: :func:`rate` at the median of its verifies), 0 before a clean draft step."""
+        if not self._clean_step:
+            return 0.0
+        costs = self._costs()
+        return max((rate(n - 1, self.acceptance, self._step_s, costs[n]) for n in costs if n > 1), default=0.0)
 
     def _prefer_plain(self) -> bool:
         """Whether the measured rates choose plain decoding; the mode chosen now stays unless the

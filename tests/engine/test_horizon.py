@@ -163,3 +163,32 @@ def test_a_first_round_that_drafted_on_while_its_prefix_arrived_grows_from_its_l
     h = Horizon("auto", max_len=64, swap_floor=False)
     h.update_rounds([(4, 4)], 0.07, 0.0, 0.3)  # an ordinary round: doubles
     assert h.L == 8
+
+
+def test_a_trial_settles_on_the_cost_model_where_the_one_clean_round_had_rejections():
+    """The first plain trial ends after two rounds where drafting is settle_margin faster, its rate
+    the larger of the clean round's measured one and the cost model's at a verified block size: one
+    round's rejections do not buy two more plain rounds when the measured step, verify and acceptance
+    say drafting is far faster; where they do not, the trial runs its four rounds."""
+    def trial(accepted_in_clean_round: int) -> int:
+        h = Horizon("auto", max_len=32, plain_ok=True)
+        h.update_rounds([(4, 4)] * 8, 0.2, 0.5, 0.18)  # beside the swap: no rate evidence
+        h.update_rounds([(7, 7)] * 6 + [(7, accepted_in_clean_round)] * 2, 0.054, 0.0, 0.29, 0.67)
+        assert h.L == 0
+        for n in range(1, 5):
+            h.update_rounds([(0, 0)] * 8, 0.0, 0.0, 0.128)
+            if h.L:
+                return n
+        return 4
+
+    # 8 tokens per 0.67 s round in 6 of 8 requests, 1 in two: 6.25 / 0.67 = 9.3 tok/s, 1.2x plain's
+    # 7.8, below the margin; the model at the verified sizes (5 and 8 tokens, acceptance 0.96): 11.6,
+    assert trial(0) == 2
+    h = Horizon("auto", max_len=32, plain_ok=True)
+    assert h._model_rate() == 0.0  # nothing measured: no model
+    # a slow verify (0.9 s): the model (5.4 tok/s) and the round (4.9) both well under the margin
+    h.update_rounds([(4, 4)] * 8, 0.2, 0.5, 0.9)
+    h.update_rounds([(7, 7)] * 6 + [(7, 0)] * 2, 0.054, 0.0, 0.9, 1.28)
+    for _ in range(3):
+        h.update_rounds([(0, 0)] * 8, 0.0, 0.0, 0.128)
+        assert h.L == 0
