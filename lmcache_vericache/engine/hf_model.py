@@ -23,10 +23,6 @@ class HfModel(DecoderModel):
         # engine/linear.py's layers; any other MLP is called as it is (decided once, not per step)
         self._gated_mlp = [all(hasattr(layer.mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn"))
                            for layer in self.layers]
-        # Llama-family RMSNorms run as one kernel call each (engine/token_ops.py); others as they are
-        self._fast_norms = all(token_ops.is_llama_rms_norm(n) for layer in self.layers for n in
-                               (layer.input_layernorm, layer.post_attention_layernorm)) and \
-            token_ops.is_llama_rms_norm(self.body.norm)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -43,7 +39,7 @@ class HfModel(DecoderModel):
         return cos[0], sin[0]
 
     def _norm(self, module: torch.nn.Module, x: Tensor) -> Tensor:
-        return token_ops.rms_norm(module, x) if self._fast_norms else module(x)
+        return token_ops.rms_norm(module, x)  # one kernel call for a Llama-family RMSNorm, else module(x)
 
     def input_norm(self, layer: int, x: Tensor) -> Tensor:
         return self._norm(self.layers[layer].input_layernorm, x)

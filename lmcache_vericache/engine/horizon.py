@@ -42,9 +42,10 @@ than a verify block, so its cost is measured, not extrapolated from verify block
 ``settle_margin`` (1.25x) faster than even the faster of its own first two rounds: then drafting is
 chosen at once (a first plain step after drafting rounds runs up to ~15% slow, and one slow step must
 not decide, hence two and the margin; at 8k / batch 8 the 2 rounds saved per trial are 1-2% of a
-128-token run). Drafting's rate there is the larger of the rounds' measured rate and the rate the
-cost model gives at a block size actually verified (measured step and verify, the acceptance rate):
-the one clean round before the first trial is one sample of acceptance, and its rejections (8k /
+128-token run). In the first trial drafting's rate there is the larger of the one clean round's
+measured rate and the rate the cost model gives at a block size actually verified (measured step and
+verify — a verify waits for its swap, so even the first round's is one — and the acceptance rate):
+that round is one sample of acceptance, and its rejections (8k /
 batch 8, every row of one run: under 10 tok/s, against ~11.5 in the later rounds) had run all four
 trial rounds. From then on the measured tokens/s of plain and drafting rounds decide (the mode in
 use stays unless the other measured ``switch_margin`` faster), and each mode is re-measured now and then, so a change in
@@ -132,6 +133,7 @@ class Horizon:
     _round_s: float = field(init=False, default=0.0)  # seconds of the last drafting round
     _plain_steps: deque = field(init=False)  # seconds of the last plain_trial plain rounds
     _draft_rate: float = field(init=False, default=0.0)  # measured tokens/s of drafting rounds
+    _clean_rounds: int = field(init=False, default=0)  # drafting rounds in _draft_rate (none beside a swap)
     _probe_len: int = field(init=False, default=0)  # the best L >= 1 when plain decoding was chosen
 
     def __post_init__(self) -> None:
@@ -190,7 +192,7 @@ class Horizon:
             self._trial_left -= 1
             # this trial's own first two plain steps (none of an earlier trial's) both far slower than drafting
             settled = (self.L == 0 and not self._plain_chosen and len(self._trial_steps) == 2
-                       and max(self._draft_rate, self._model_rate()) * min(self._trial_steps) > self.settle_margin)
+                       and self._trial_rate() * min(self._trial_steps) > self.settle_margin)
             if self.L == 0 and (settled or self._trial_left <= 0):
                 self._plain_chosen = False if settled else self._prefer_plain()
                 if not self._plain_chosen or self._mode_s >= self.probe_ratio * self._round_s:
@@ -208,6 +210,7 @@ class Horizon:
         if round_s > 0 and swap_s == 0:  # a swap shares the cores and memory bus with drafting: no rate evidence
             self._round_s = round_s
             self._draft_rate = _ema(self._draft_rate, (mean_accepted + 1) / round_s)
+            self._clean_rounds += 1
             self._mode_s += round_s
         self._acc = _ema(self._acc, mean_accepted)
         if draft_step_s > 0:  # steps beside a swap are slower: the first clean one replaces them
@@ -278,6 +281,11 @@ class Horizon:
         """Tokens/s of plain rounds: the median of the recent ones (the first plain steps after
         drafting rounds run slow), 0 before any."""
         return 1.0 / statistics.median(self._plain_steps) if self._plain_steps else 0.0
+
+    def _trial_rate(self) -> float:
+        """Drafting's rate a trial settles on: the measured one, or, while that rests on one clean
+        round (the first trial), the larger of it and :meth:`_model_rate`."""
+        return self._draft_rate if self._clean_rounds > 1 else max(self._draft_rate, self._model_rate())
 
     def _model_rate(self) -> float:
         """Expected tokens/s of the best block size verified so far (measured costs, no

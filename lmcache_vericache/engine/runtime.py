@@ -334,11 +334,12 @@ class Runtime:
         self.head_dim, self.scale, self.dtype, self.device = m.head_dim, m.scale, m.dtype, m.device
         self.vocab_size, self.eos_ids = m.vocab_size, m.eos_ids
         self.batched = self.device.type != "cpu" if batched is None else batched
+        # Built or loaded now, once per process, so that no build lands inside a timed round or a
+        # vLLM step (a first build says so on stderr: kernels.build). Sampling runs on the host
+        # whatever the device, so its ops' kernel is wanted everywhere.
+        kernels.build("token_ops")
         if self.device.type == "cpu":
-            # Built or loaded now, once per process, so that neither lands inside a timed round or
-            # a vLLM step (a first build says so on stderr: kernels.build).
             kernels.build("dense_attention")
-            kernels.build("token_ops")
             if isinstance(self.model, HfModel):  # its nn.Linear layers run through engine/linear.py
                 kernels.build("linear")
 

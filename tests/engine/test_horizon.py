@@ -169,7 +169,8 @@ def test_a_trial_settles_on_the_cost_model_where_the_one_clean_round_had_rejecti
     """The first plain trial ends after two rounds where drafting is settle_margin faster, its rate
     the larger of the clean round's measured one and the cost model's at a verified block size: one
     round's rejections do not buy two more plain rounds when the measured step, verify and acceptance
-    say drafting is far faster; where they do not, the trial runs its four rounds."""
+    say drafting is far faster; where they do not, two rounds do not end it. Later trials settle on
+    the measured rate alone."""
     def trial(accepted_in_clean_round: int) -> int:
         h = Horizon("auto", max_len=32, plain_ok=True)
         h.update_rounds([(4, 4)] * 8, 0.2, 0.5, 0.18)  # beside the swap: no rate evidence
@@ -182,7 +183,8 @@ def test_a_trial_settles_on_the_cost_model_where_the_one_clean_round_had_rejecti
         return 4
 
     # 8 tokens per 0.67 s round in 6 of 8 requests, 1 in two: 6.25 / 0.67 = 9.3 tok/s, 1.2x plain's
-    # 7.8, below the margin; the model at the verified sizes (5 and 8 tokens, acceptance 0.96): 11.6,
+    # 7.8, below the margin; the model at the verified sizes (5 and 8 tokens, acceptance 0.96) gives
+    # 11.6 tok/s, 1.48x: the trial ends after two rounds
     assert trial(0) == 2
     h = Horizon("auto", max_len=32, plain_ok=True)
     assert h._model_rate() == 0.0  # nothing measured: no model
@@ -192,3 +194,22 @@ def test_a_trial_settles_on_the_cost_model_where_the_one_clean_round_had_rejecti
     for _ in range(3):
         h.update_rounds([(0, 0)] * 8, 0.0, 0.0, 0.128)
         assert h.L == 0
+
+
+def test_a_later_trial_settles_on_the_measured_rate_alone():
+    """Once drafting's rate rests on several clean rounds, a trial settles only where that measured
+    rate is settle_margin faster: the cost model (forward costs only) is not asked again."""
+    h = Horizon("auto", max_len=32, plain_ok=True, probe_ratio=0.01)  # a trial after every drafting round
+    h.update_rounds([(4, 4)] * 8, 0.2, 0.5, 0.18)
+    h.update_rounds([(7, 7)] * 6 + [(7, 0)] * 2, 0.054, 0.0, 0.29, 0.67)
+    for _ in range(2):
+        h.update_rounds([(0, 0)] * 8, 0.0, 0.0, 0.128)
+    assert h.L > 0  # the first trial settled on the model
+    # drafting rounds whose wall clock (1.0 s) is far above their forwards' (0.054 s steps, 0.29 s
+    # verifies): 8.5 tok/s measured, 1.09x plain's 7.8, while the model still says ~11.6
+    h.update_rounds([(h.L, h.L)] * 8, 0.054, 0.0, 0.29, (h.L + 1) / 8.5)
+    assert h._clean_rounds == 2 and h._model_rate() * 0.128 > h.settle_margin
+    assert h.L == 0  # the next trial
+    for _ in range(2):
+        h.update_rounds([(0, 0)] * 8, 0.0, 0.0, 0.128)
+        assert h.L == 0  # not settled after two rounds: the trial runs on

@@ -50,10 +50,12 @@ def test_a_row_does_not_depend_on_the_rows_beside_it():
     """Row m's output is bit-identical whether it runs alone, in a block of 4 or 8 rows (the kernel's
     two register shapes, chosen by the call's rows) or in a tail: a decode step and a verify block
     compute the same linear layers."""
-    mod = kernels.build("linear")
+    native = kernels.build("linear")
+    # the other vector width's build too: on an AVX2 CPU only the 16-wide build has the tall shape
+    other = kernels.build("linear", vec_width=8 if native.vec_width == 16 else 16)
     g = torch.Generator().manual_seed(0)
     x32 = torch.randn(23, 576, generator=g)
-    for dtype in (torch.float32, torch.bfloat16):
+    for mod, dtype in [(m, d) for m in (native, other) for d in (torch.float32, torch.bfloat16)]:
         w = torch.randn(200, 576, generator=g).to(dtype)
         # bf16 rows of bf16 weights: the AVX512-BF16 dot path where the build has it
         for x in (x32, x32.bfloat16()):

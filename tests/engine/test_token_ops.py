@@ -75,9 +75,22 @@ def test_softmax_matches_pytorch(mod, temperature):
     assert torch.equal(Sampling(temperature).probs(x), got)  # what the sampler uses without top-k / top-p
 
 
-def test_softmax_of_a_non_finite_row_is_pytorchs(mod):
-    x = torch.tensor([[0.0, float("inf"), 1.0]])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_softmax_of_a_row_with_inf_or_nan_is_pytorchs(mod, bad):
+    x = torch.randn(2, 100, generator=torch.Generator().manual_seed(1))
+    x[1, 37] = bad  # past the first vector, a finite maximum elsewhere in the row for NaN
     assert torch.equal(token_ops.softmax(x, 1.0).isnan(), (x / 1.0).softmax(-1).isnan())
+
+
+def test_softmax_gives_a_masked_logit_probability_zero(mod):
+    x = torch.randn(1, 1000, generator=torch.Generator().manual_seed(2)) * 3
+    x[0, ::7] = float("-inf")  # in the vectors and in the tail
+    got = token_ops.softmax(x, 0.8)
+    assert (got[0, ::7] == 0).all() and (got[x > float("-inf")] > 0).all()
+    torch.testing.assert_close(got, (x / 0.8).softmax(-1), rtol=2e-5, atol=0)
+    # and far below the maximum, where the polynomial exp is floored: still the true, tiny value
+    y = torch.tensor([[0.0, -200.0, -50.0]])
+    torch.testing.assert_close(token_ops.softmax(y, 1.0), y.softmax(-1), rtol=1e-5, atol=1e-37)
 
 
 def test_draw_index_is_the_cumsum_inverse_cdf(mod):
@@ -94,11 +107,28 @@ def test_draw_index_is_the_cumsum_inverse_cdf(mod):
     assert token_ops.draw_index(p.double(), 0.5) is None  # not the kernel's dtype: the caller's path
 
 
-def test_smollm2_takes_the_kernels_norms(smollm2):
+def test_smollm2_takes_the_kernels_norms_and_a_hooked_norm_its_own(smollm2, monkeypatch):
     model, _ = smollm2
     hf = HfModel(model)
-    assert hf._fast_norms
+    norm = model.model.layers[0].input_layernorm
+    assert token_ops.is_llama_rms_norm(norm)
     x = torch.randn(4, model.config.hidden_size).to(hf.dtype)
+    called = []
+    monkeypatch.setattr(mod_of_token_ops(), "rms_norm", lambda *a: called.append(1) or norm(a[0]), raising=True)
     with torch.inference_mode():
-        torch.testing.assert_close(hf.input_norm(0, x), model.model.layers[0].input_layernorm(x),
-                                   rtol=2 ** -7, atol=0)
+        torch.testing.assert_close(hf.input_norm(0, x), norm(x), rtol=2 ** -7, atol=0)
+    assert called  # the kernel's call
+    # a hook registered after the model was wrapped is honoured: the module runs, with its hook
+    handle = norm.register_forward_hook(lambda m, a, out: out * 0)
+    try:
+        with torch.inference_mode():
+            assert not hf.input_norm(0, x).any()
+    finally:
+        handle.remove()
+
+
+def mod_of_token_ops():
+    m = kernels.build("token_ops")
+    if m is None:
+        pytest.skip("no C++ compiler")
+    return m

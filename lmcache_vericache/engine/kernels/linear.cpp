@@ -122,7 +122,7 @@ void tiles_of(int64_t M, int64_t N, const Tile& tile) {
   });
 }
 
-// The register block's shape by the call's rows (kRowsTall's comment).
+// The register block's shape by the call's rows (the comment above kRowsWide says why).
 template <typename Tile>
 void for_tiles(int64_t M, int64_t N, const Tile& tile) {
   if (M >= kRowsTall && kRowsTall > kRowsWide) tiles_of<kRowsTall, kColsTall>(M, N, tile);

@@ -16,6 +16,7 @@
 
 #include "common.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -29,6 +30,7 @@ using vericache::exp_nonpositive;
 using vericache::kW;
 using vericache::to_float;
 using vericache::vfloat;
+using vericache::vint;
 
 // float -> T as .to(T) rounds (bf16: nearest even).
 template <typename T>
@@ -108,7 +110,8 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 }
 
 // softmax(x / temperature) of each row of x [R, V] float32 (contiguous), float32 out; an empty
-// tensor where a row's maximum is not finite (the caller takes PyTorch's path, which says what it says).
+// tensor where a row holds a NaN or its maximum is not finite (the caller takes PyTorch's path, which
+// says what it says). A -inf logit gets probability exactly 0 (a masked token is never drawn).
 torch::Tensor softmax(torch::Tensor x, double temperature) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32, "softmax: float32 [R, V]");
   const int64_t rows = x.size(0), v = x.size(1);
@@ -118,30 +121,39 @@ torch::Tensor softmax(torch::Tensor x, double temperature) {
     const float* xr = x.data_ptr<float>() + r * v;
     float* yr = y.data_ptr<float>() + r * v;
     int64_t i = 0;
-    vfloat mv = vfloat{} - std::numeric_limits<float>::infinity();
+    const vfloat neg_inf = vfloat{} - std::numeric_limits<float>::infinity();
+    vfloat mv = neg_inf;
+    vint nan = {};
     for (; i + kW <= v; i += kW) {
       const vfloat q = vericache::load_floats(xr + i) / t;  // divided as x / temperature divides
       vericache::store_floats(yr + i, q);
       mv = q > mv ? q : mv;
+      nan |= q != q;
     }
     float m = -std::numeric_limits<float>::infinity();
-    for (int l = 0; l < kW; ++l) m = std::max(m, mv[l]);
+    bool has_nan = false;
+    for (int l = 0; l < kW; ++l) {
+      m = std::max(m, mv[l]);
+      has_nan |= nan[l] != 0;
+    }
     for (; i < v; ++i) {
       yr[i] = xr[i] / t;
       m = std::max(m, yr[i]);
+      has_nan |= yr[i] != yr[i];
     }
-    if (!std::isfinite(m)) return torch::empty({0});
+    if (has_nan || !std::isfinite(m)) return torch::empty({0});
     i = 0;
     vfloat acc = {};
     for (; i + kW <= v; i += kW) {
-      const vfloat e = exp_nonpositive(vericache::load_floats(yr + i) - m);
+      const vfloat y = vericache::load_floats(yr + i);
+      const vfloat e = y == neg_inf ? vfloat{} : exp_nonpositive(y - m);  // exp_nonpositive floors at e^-87
       vericache::store_floats(yr + i, e);
       acc += e;
     }
     float s = 0.f;
     for (int l = 0; l < kW; ++l) s += acc[l];
     for (; i < v; ++i) {
-      yr[i] = exp_nonpositive(yr[i] - m);
+      yr[i] = yr[i] == -std::numeric_limits<float>::infinity() ? 0.f : exp_nonpositive(yr[i] - m);
       s += yr[i];
     }
     const float inv = 1.f / s;
@@ -187,13 +199,15 @@ int64_t draw(torch::Tensor w, double u) {
   }
   bool ok = true;
   for (int l = 0; l < 8; ++l) ok &= bad[l] == 0;
-  double total = 0.0;
-  for (double s : sums) total += s;
+  // running sums of the blocks, one after another: the total and the search see the same numbers
+  // (a plain loop summing the total could be vectorized into another order)
+  for (int64_t b = 1; b < blocks; ++b) sums[b] += sums[b - 1];
+  const double total = sums[blocks - 1];
   if (!ok || !(total > 0.0) || !std::isfinite(total)) return -1;
   const double target = u * total;
-  double run = 0.0;
   int64_t b = 0;
-  while (b < blocks - 1 && run + sums[b] <= target) run += sums[b++];
+  while (b < blocks - 1 && sums[b] <= target) ++b;
+  double run = b ? sums[b - 1] : 0.0;
   const int64_t end = std::min(v, (b + 1) * kDrawBlock);
   int64_t last = -1;
   for (int64_t i = b * kDrawBlock; i < end; ++i) {
