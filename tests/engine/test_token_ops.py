@@ -132,3 +132,24 @@ def mod_of_token_ops():
     if m is None:
         pytest.skip("no C++ compiler")
     return m
+
+
+def test_the_other_vector_width_builds_and_agrees(mod):
+    """The vector width follows the CPU (16 floats with AVX-512, 8 with AVX2): the other width's code
+    is built here too, so a CPU of the other kind meets no build error, and computes the same."""
+    other = kernels.build("token_ops", vec_width=8 if mod.vec_width == 16 else 16)
+    assert other is not None and other.vec_width != mod.vec_width
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 49152 + 5, generator=g) * 4
+    x[1, ::9] = float("-inf")
+    torch.testing.assert_close(other.softmax(x, 0.7), mod.softmax(x, 0.7), rtol=1e-5, atol=0)
+    p = mod.softmax(x, 0.7)[1]
+    for u in torch.rand(200, dtype=torch.float64, generator=g).tolist():
+        assert other.draw(p, u) == mod.draw(p, u)
+    for dtype in (torch.bfloat16, torch.float32):
+        h = (torch.randn(7, 576, generator=g) * 3).to(dtype)
+        w = torch.randn(576, generator=g).to(dtype)
+        torch.testing.assert_close(other.rms_norm(h, w, 1e-5), mod.rms_norm(h, w, 1e-5), rtol=2 ** -7, atol=0)
+        q, c, s = (torch.randn(5, 3, 64, generator=g).to(dtype), torch.randn(5, 64, generator=g).to(dtype),
+                   torch.randn(5, 64, generator=g).to(dtype))
+        assert torch.equal(other.rope(q, c, s), mod.rope(q, c, s))

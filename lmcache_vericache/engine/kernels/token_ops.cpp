@@ -228,4 +228,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("temperature"));
   m.def("draw", &draw, "inverse-CDF draw from float32 weights at uniform u (-1: invalid weights)",
         py::arg("w"), py::arg("u"));
+  m.attr("vec_width") = kW;  // floats per vector this build uses
 }
