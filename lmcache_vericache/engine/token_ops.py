@@ -67,7 +67,7 @@ def softmax(x: Tensor, temperature: float) -> Tensor:
     mod = _mod(x)
     if mod is not None and x.dtype == torch.float32 and x.dim() in (1, 2) and x.is_contiguous():
         y = mod.softmax(x.view(-1, x.shape[-1]), temperature)
-        if y.numel():  # empty: a row's maximum is not finite; PyTorch's path below
+        if y.numel():  # empty: a row holds a NaN or its maximum is not finite; PyTorch's path below
             return y.view(x.shape)
     return (x / temperature).softmax(-1)
 
