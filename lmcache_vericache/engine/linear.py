@@ -12,7 +12,7 @@ the CPU has no AMX tiles. Measured on a 2-core AMD EPYC (AVX512-BF16, no AMX), S
 rows too, though oneDNN is 12% faster there: one path for every row count up to ``MAX_ROWS`` means
 a verify block computes the linear layers of each of its tokens bit for bit as that token's decode
 step does, so bf16 VeriCache and full-KV decoding round alike (a verify of more rows, batch x
-(L + 1) > ``MAX_ROWS``, takes oneDNN and may round apart). With AMX tiles oneDNN multiplies there (not
+(L + 1) > ``MAX_ROWS``, i.e. beyond batch 16 at the longest horizon, takes oneDNN and may round apart). With AMX tiles oneDNN multiplies there (not
 measured against the kernel yet). ``VERICACHE_LINEAR`` (``auto``, ``kernel``, ``blas``) overrides
 the choice for bf16 weights (A/B runs).
 """
@@ -29,9 +29,14 @@ from . import kernels
 
 Tensor = torch.Tensor
 
-# Rows up to which the kernel runs; above (prefill chunks) the BLAS's blocking wins. On AVX2 the
-# kernel leads in fp32 and bf16 up to 256 rows (docs/benchmarks.md).
-MAX_ROWS = 256
+# Rows up to which the kernel runs: a verify block of the default horizon's longest (64 drafts, 65
+# tokens) at batch 16, so that every verify block computes its tokens' linear layers as their
+# decode steps do (an 8k / batch-8 greedy run whose looping requests reached L = 34 and 40 took
+# oneDNN there, above the earlier 256, and 3 of 8 outputs left full-KV decoding at margins of
+# 0-0.25). Prefill chunks (256 tokens by default) take it too. Above, the BLAS's blocking wins: it
+# is 12% / 16% / 27% faster at 280 / 520 / 1040 bf16 rows on the AVX-512 host, which those rare long
+# verify blocks now pay; on AVX2 the kernel leads in fp32 and bf16 up to 256 rows (docs/benchmarks.md).
+MAX_ROWS = 1040
 
 
 @functools.cache

@@ -391,3 +391,40 @@ def test_a_verify_rows_attention_on_the_tiles_equals_its_decode_step_bit_for_bit
         assert torch.equal(step, out.view(3, 3, n, 64)[:, :, i]) and torch.equal(step_lse, lse.view(3, 3, n)[:, :, i])
 
 
+
+
+@pytest.mark.parametrize("n", [5, 35])  # 8 x 35 = 280 rows: past the 256 rows oneDNN used to take
+def test_a_bf16_verify_block_gives_its_decode_steps_logits_bit_for_bit(n):
+    """A verify block of n tokens per request (batch 8) computes every token's logits exactly as n
+    single-token steps do, also past 256 rows: one linear path for every row count a verify block of
+    the default horizon can have (engine/linear.py's MAX_ROWS), so bf16 VeriCache emits full-KV
+    decoding's tokens even at near-ties."""
+    import transformers
+
+    from lmcache_vericache.engine import linear as lin
+
+    if lin.kernel_for(torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=torch.bfloat16)) is None:
+        pytest.skip("bf16 weights take oneDNN on this CPU (AMX) or no kernel is built")
+    # head size 64: the dense attention kernel's, whose decode and verify paths sum alike
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=64, tie_word_embeddings=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    rt = Runtime(model)
+    assert 8 * n <= lin.MAX_ROWS
+    g = torch.Generator().manual_seed(n)
+    prefix = 40
+    caches = []
+    for _ in range(8):
+        c = rt.new_cache(prefix + n)
+        rt.forward(torch.randint(0, 256, (prefix,), generator=g), torch.arange(prefix), [Segment(c, prefix)])
+        caches.append(c)
+    toks = torch.randint(0, 256, (8, n), generator=g)
+    copies = [rt.new_cache(prefix + n) for _ in caches]
+    for d, c in zip(copies, caches):
+        d.k.copy_(c.k), d.v.copy_(c.v)
+        d.n = c.n
+    block, _ = rt.forward(toks.reshape(-1), torch.arange(prefix, prefix + n).repeat(8), [Segment(c, n) for c in caches])
+    steps = [rt.forward(toks[:, i], torch.full((8,), prefix + i), [Segment(d, 1) for d in copies])[0] for i in range(n)]
+    assert torch.equal(block, torch.stack(steps, 1).reshape(8 * n, -1))
