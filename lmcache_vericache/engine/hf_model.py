@@ -38,11 +38,8 @@ class HfModel(DecoderModel):
         cos, sin = self.body.rotary_emb(self._probe, positions[None])
         return cos[0], sin[0]
 
-    def _norm(self, module: torch.nn.Module, x: Tensor) -> Tensor:
-        return token_ops.rms_norm(module, x)  # one kernel call for a Llama-family RMSNorm, else module(x)
-
     def input_norm(self, layer: int, x: Tensor) -> Tensor:
-        return self._norm(self.layers[layer].input_layernorm, x)
+        return token_ops.rms_norm(self.layers[layer].input_layernorm, x)
 
     def qkv(self, layer: int, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         attn, n, d = self.layers[layer].self_attn, h.shape[0], self.head_dim
@@ -59,7 +56,7 @@ class HfModel(DecoderModel):
         return apply(self.layers[layer].self_attn.o_proj, x)
 
     def post_attention_norm(self, layer: int, x: Tensor) -> Tensor:
-        return self._norm(self.layers[layer].post_attention_layernorm, x)
+        return token_ops.rms_norm(self.layers[layer].post_attention_layernorm, x)
 
     def mlp(self, layer: int, x: Tensor) -> Tensor:
         mlp = self.layers[layer].mlp
@@ -68,7 +65,7 @@ class HfModel(DecoderModel):
         return apply(mlp.down_proj, mlp.act_fn(apply(mlp.gate_proj, x)) * apply(mlp.up_proj, x))
 
     def final_norm(self, x: Tensor) -> Tensor:
-        return self._norm(self.body.norm, x)
+        return token_ops.rms_norm(self.body.norm, x)
 
     def lm_head(self, x: Tensor) -> Tensor:
         return apply(self.hf.lm_head, x)

@@ -45,10 +45,10 @@ not decide, hence two and the margin; at 8k / batch 8 the 2 rounds saved per tri
 128-token run). In the first trial drafting's rate there is the larger of the one clean round's
 measured rate and the rate the cost model gives at a block size actually verified (measured step and
 verify — a verify waits for its swap, so even the first round's is one — and the acceptance rate):
-that round is one sample of acceptance, and its rejections (8k /
-batch 8, every row of one run: under 10 tok/s, against ~11.5 in the later rounds) had run all four
-trial rounds. From then on the measured tokens/s of plain and drafting rounds decide (the mode in
-use stays unless the other measured ``switch_margin`` faster), and each mode is re-measured now and then, so a change in
+that round is one sample of acceptance, and its rejections (8k / batch 8, every row of one run:
+under 10 tok/s, against ~11.5 in the later rounds) had run all four trial rounds. From then on the
+measured tokens/s of plain and drafting rounds decide (the mode in use stays unless the other
+measured ``switch_margin`` faster), and each mode is re-measured now and then, so a change in
 acceptance or costs is noticed at a bounded price: while plain wins, one drafting round once the
 plain rounds have run ``probe_ratio`` times as long as the last drafting round took (none in a
 short run); while drafting wins, a plain trial once drafting has run ``probe_ratio`` times as long

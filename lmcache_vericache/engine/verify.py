@@ -26,7 +26,7 @@ def draw(weights: Tensor, gen: torch.Generator | None) -> int:
     block sums, then one block's running sum; ``torch.cumsum`` elsewhere). The distribution
     ``torch.multinomial`` draws (to float64's resolution; it uses the generator's stream
     differently, so seeded samples differ from it), at a fraction of its cost on a CPU (it draws one
-    random variate per entry: ~1 ms for SmolLM2's 49,152 entries, the kernel ~0.02 ms), which every
+    random variate per entry: ~1 ms for SmolLM2's 49,152 entries, the kernel ~0.01 ms), which every
     sampled token pays once or twice. An entry of weight 0 is never drawn: the first index whose
     running sum exceeds ``u`` has a positive weight."""
     # u <= 1 - 2**-53, so u * total rounds below total: some running sum exceeds it, i < V
