@@ -102,7 +102,7 @@ def test_draw_index_is_the_cumsum_inverse_cdf(mod):
         i = token_ops.draw_index(p, u)
         assert i == int(torch.searchsorted(cdf, u * float(cdf[-1]), right=True))
         assert p[i] > 0
-    for bad in (torch.zeros(600), torch.tensor([1.0, float("nan")]), torch.tensor([1.0, -1e-30])):
+    for bad in (torch.zeros(600), torch.tensor([1.0, float("nan")]), torch.tensor([1.0, -1e-30]), torch.zeros(0)):
         assert token_ops.draw_index(bad, 0.5) == -1
     assert token_ops.draw_index(p.double(), 0.5) is None  # not the kernel's dtype: the caller's path
 

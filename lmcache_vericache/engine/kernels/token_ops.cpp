@@ -167,14 +167,16 @@ constexpr int64_t kDrawBlock = 256;
 // The first index whose running sum (float64) of w [V] (float32, contiguous) exceeds u * total, u
 // in [0, 1): an inverse-CDF draw. Sums blocks first, then scans the one block holding the target;
 // where that scan (another summation order than the block's sum) ends short of it by rounding, the
-// block's last entry of positive weight. -1 where a weight is negative or not finite, or all are 0.
+// block's last entry of positive weight. -1 where a weight is negative or not finite, all are 0, or
+// there are none.
 int64_t draw(torch::Tensor w, double u) {
   TORCH_CHECK(w.dim() == 1 && w.is_contiguous() && w.scalar_type() == torch::kFloat32, "draw: float32 [V]");
   const float* p = w.data_ptr<float>();
   const int64_t v = w.numel(), blocks = (v + kDrawBlock - 1) / kDrawBlock;
   std::vector<double> sums(blocks);
-  // float32 lanes widened to float64 lanes, 8 at a time; NaN and negative weights caught by the
-  // lane-wise minimum (a NaN compares false, so `!(w >= 0)` marks it)
+  if (v == 0) return -1;  // nothing to draw from
+  // float32 lanes widened to float64 lanes, 8 at a time; NaN and negative weights marked lane-wise
+  // (a NaN compares false, so `!(w >= 0)` marks it too)
   typedef float vf8 __attribute__((vector_size(32)));
   typedef double vd8 __attribute__((vector_size(64)));
   typedef int32_t vi8 __attribute__((vector_size(32)));
@@ -224,7 +226,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "Llama's RMSNorm over the last dimension", py::arg("x"), py::arg("w"), py::arg("eps"));
   m.def("rope", &rope, "q * cos + rotate_half(q) * sin for q [N, H, D], cos / sin [N, D]",
         py::arg("x"), py::arg("cos"), py::arg("sin"));
-  m.def("softmax", &softmax, "softmax(x / temperature) per row of float32 x [R, V] (empty: a non-finite maximum)",
+  m.def("softmax", &softmax, "softmax(x / temperature) per row of float32 x [R, V] (empty: a NaN or a non-finite maximum)",
         py::arg("x"), py::arg("temperature"));
   m.def("draw", &draw, "inverse-CDF draw from float32 weights at uniform u (-1: invalid weights)",
         py::arg("w"), py::arg("u"));
