@@ -9,7 +9,8 @@ each added: :attr:`Horizon.acceptance`),
 ``t_draft`` the measured draft step (from rounds without a swap once there is one) and ``v(n)`` the
 verify forward of ``n`` tokens, from the seconds measured per block size (:func:`predict`: the median
 of the last few verifies of that size; between two measured sizes the line between those two only;
-outside them the line through the nearest two, never falling with more tokens). Not one line fitted
+above them the line through the largest two, never falling with more tokens; below them the
+smallest one's cost, as a block's rows pad to whole vectors). Not one line fitted
 across sizes: on a CPU a verify block is compute-bound and its cost can switch paths with its size (AMX
 tiles from 10 tokens), so a line fitted over short blocks misprices long ones. The swap of the full
 prefix must hide behind drafting, so L >= L_min = ceil(T_swap / t_draft) while rounds swap. Until two
@@ -52,7 +53,11 @@ measured ``switch_margin`` faster), and each mode is re-measured now and then, s
 acceptance or costs is noticed at a bounded price: while plain wins, one drafting round once the
 plain rounds have run ``probe_ratio`` times as long as the last drafting round took (none in a
 short run); while drafting wins, a plain trial once drafting has run ``probe_ratio`` times as long
-as a trial takes.
+as a trial takes, times ``2^k`` (at most ``max_probe_scale``) after ``k`` trials in a row that settled
+at once. Plain steps cost the same from one trial to the next; what changes is drafting's rate, and
+that is measured every round: while it stays ``settle_margin`` above plain's, a trial every ~8 s
+(8k / batch 8) re-measured nothing new, each trial ~0.1 s slower than drafting (5 in a 512-token run); once it falls
+under that, the usual interval is back (and a trial comes at once where it has passed).
 
 What is measured is what the caller passes (:class:`~.rounds.Rounds`): draft steps only from
 forwards without verify rows and verifies only from forwards without draft rows (a staggered forward
@@ -108,6 +113,7 @@ class Horizon:
     plain_ok: bool = False
     swap_floor: bool = True  # a round's swap floors the next L (offload: every round swaps; resident: only the first)
     probe_ratio: float = 16.0
+    max_probe_scale: float = 8.0  # trials that settle at once stretch the time to the next up to this much
     plain_trial: int = 4  # plain rounds per trial (their median decides): one slow step does not
     switch_margin: float = 1.05  # the other mode must measure this much faster to be chosen
     settle_margin: float = 1.25  # a trial ends after two plain rounds where drafting measured this much faster
@@ -135,6 +141,7 @@ class Horizon:
     _draft_rate: float = field(init=False, default=0.0)  # measured tokens/s of drafting rounds
     _clean_rounds: int = field(init=False, default=0)  # drafting rounds in _draft_rate (none beside a swap)
     _probe_len: int = field(init=False, default=0)  # the best L >= 1 when plain decoding was chosen
+    _probe_scale: float = field(init=False, default=1.0)  # drafting runs probe_ratio x this before a trial
 
     def __post_init__(self) -> None:
         check_draft_len(self.draft_len, self.max_len)
@@ -195,6 +202,8 @@ class Horizon:
                        and self._trial_rate() * min(self._trial_steps) > self.settle_margin)
             if self.L == 0 and (settled or self._trial_left <= 0):
                 self._plain_chosen = False if settled else self._prefer_plain()
+                # a trial that settled at once (drafting settle_margin faster) doubles the time to the next
+                self._probe_scale = min(self.max_probe_scale, 2 * self._probe_scale) if settled else 1.0
                 if not self._plain_chosen or self._mode_s >= self.probe_ratio * self._round_s:
                     self._mode_s = 0.0  # plain lost, or re-measure drafting
                     self._choose(max(1, self._probe_len))
@@ -242,10 +251,14 @@ class Horizon:
             # Plain decoding's cost is measured, not extrapolated from verify blocks (a 1-token step
             # takes another path than a verify block): a plain trial as soon as a drafting round
             # without a swap was measured, then once drafting has run probe_ratio times as long as a
-            # trial takes; plain is chosen where the measured rates prefer it.
+            # trial takes (stretched after trials that settled at once); plain is chosen where the
+            # measured rates prefer it.
             first = self._plain_rate == 0
             self._plain_chosen = not first and self._prefer_plain()
-            if first or self._plain_chosen or self._mode_s * self._plain_rate >= self.probe_ratio * self.plain_trial:
+            if not first and self._draft_rate < self.settle_margin * self._plain_rate:
+                self._probe_scale = 1.0  # drafting no longer far ahead: plain is re-measured at the usual interval
+            trial_due = self._mode_s * self._plain_rate >= self.probe_ratio * self.plain_trial * self._probe_scale
+            if first or self._plain_chosen or trial_due:
                 self._trial_left = 0 if self._plain_chosen else self.plain_trial
                 self._trial_steps = []
                 self._probe_len, self._mode_s, L = L_best, 0.0, 0
@@ -307,21 +320,28 @@ class Horizon:
 def predict(costs: Mapping[int, float], n: int) -> float | None:
     """Cost of an ``n``-token verify from measured ``costs`` per block size: a measured size's own;
     between two measured sizes the line between those two only (a global fit would carry one
-    attention path's slope across a switch to another); outside them the line through the nearest
-    two, its slope clamped at >= 0, the result at >= 0. ``None`` for an unmeasured size with fewer
-    than two measured."""
+    attention path's slope across a switch to another); above them the line through the largest
+    two, its slope clamped at >= 0; below them the smallest one's cost. ``None`` for an unmeasured
+    size with fewer than two measured.
+
+    Below the measured sizes a block is priced as the smallest measured one, not by a line: on a CPU
+    a verify pads its query rows to whole vectors, so its cost is flat across the sizes that fit one
+    vector (8k / batch 8 bf16: 2 tokens 0.15-0.21 s, 5 tokens 0.17-0.20 s), and the line through 5 and 9 tokens
+    priced 2 tokens at 0.08 s and bought a 1-draft round that ran at two thirds of L = 4's rate. Where
+    smaller blocks are really cheaper, exploration (:meth:`Horizon._explore`) measures one."""
     if n in costs:
         return costs[n]
     if len(costs) < 2:
         return None
     ks = sorted(costs)
+    if n < ks[0]:
+        return costs[ks[0]]
     i = bisect.bisect(ks, n)
-    lo, hi = ks[min(max(i - 1, 0), len(ks) - 2)], ks[min(max(i, 1), len(ks) - 1)]
+    lo, hi = ks[min(i - 1, len(ks) - 2)], ks[min(i, len(ks) - 1)]
     slope = (costs[hi] - costs[lo]) / (hi - lo)
-    if lo < n < hi:
+    if n < hi:
         return costs[lo] + slope * (n - lo)
-    end = hi if n > hi else lo  # outside the measured sizes: from the nearest one
-    return max(0.0, costs[end] + max(0.0, slope) * (n - end))
+    return costs[hi] + max(0.0, slope) * (n - hi)  # above the measured sizes: from the largest one
 
 
 def best(a: float, t_draft: float, verify: Callable[[int], float], lo: int, hi: int) -> int:

@@ -37,10 +37,24 @@ def test_predict_per_block_size():
     assert predict({9: 2.03}, 10) is None  # one size: no slope to go by
     assert abs(predict(costs, 13) - 2.36) < 1e-9  # between 9 and 17 only: 5 plays no part
     assert abs(predict(costs, 33) - (2.69 + 16 * 0.0825)) < 1e-9  # beyond: the line through 9 and 17
-    assert abs(predict(costs, 3) - (1.64 - 2 * 0.0975)) < 1e-9
+    assert predict(costs, 3) == 1.64 and predict(costs, 1) == 1.64  # below: the smallest size's cost
     assert predict({5: 2.0, 9: 1.0}, 17) == 1.0 and predict({5: 2.0, 9: 1.0}, 7) == 1.5  # past them: flat at worst
     assert predict({5: 2.0, 9: 1.0}, 1) == 2.0
-    assert predict({5: 1.0, 9: 3.0}, 1) == 0.0
+    assert predict({5: 1.0, 9: 3.0}, 1) == 1.0  # no line down to 0 s
+
+
+def test_verify_costs_flat_below_the_measured_sizes_buy_no_short_round():
+    """8k / batch 8 bf16 on the AVX-512 host: verifies of 5 and 8 tokens measured 0.20 and 0.33 s,
+    and a verify of 2 tokens costs about what 5 do (the rows pad to one vector). The line through 5
+    and 8 priced 2 tokens at 0.07 s and chose L = 1; below the measured sizes the smallest one's cost
+    keeps L = 4 the model's choice (a smaller L is run only to explore, and measured)."""
+    h = Horizon("auto", max_len=32)
+    h.update_rounds([(4, 4)] * 8, 0.054, 0.0, 0.20)
+    h.update_rounds([(7, 7)] * 8, 0.054, 0.0, 0.33)
+    assert h.verify_s(2) == 0.20 and best(h.acceptance, 0.054, h.verify_s, 1, 32) == 4
+    assert (h.L, h._chosen[2]) == (2, True)  # nothing fresh below 4: one exploring round
+    h.update_rounds([(2, 2)] * 8, 0.054, 0.0, 0.19)
+    assert (h.L, h._chosen[2]) == (4, False)
 
 
 def test_auto_horizon_follows_the_cost_model():
@@ -213,3 +227,53 @@ def test_a_later_trial_settles_on_the_measured_rate_alone():
     for _ in range(2):
         h.update_rounds([(0, 0)] * 8, 0.0, 0.0, 0.128)
         assert h.L == 0  # not settled after two rounds: the trial runs on
+
+
+def _trial_gaps(h: Horizon, draft_rate: float, rounds: int) -> tuple[list[float], int]:
+    """Lock-step rounds at a 0.125 s plain step, drafting rounds at ``draft_rate`` tokens per second
+    per request (every draft accepted): the seconds of drafting before each plain trial after the
+    first, and the plain rounds in all."""
+    gaps, drafting_s, plain = [], 0.0, 0
+    for _ in range(rounds):
+        if h.L == 0:
+            if drafting_s:
+                gaps.append(drafting_s)
+            drafting_s = 0.0
+            plain += 1
+            h.update_rounds([(0, 0)] * 8, 0.0, 0.0, 0.125)
+        else:
+            L = h.L
+            drafting_s += (L + 1) / draft_rate
+            h.update_rounds([(L, L)] * 8, 0.05, 0.0, 0.2, (L + 1) / draft_rate)
+    return gaps[1:], plain  # the first gap: the first trial's single clean round
+
+
+def test_plain_trials_that_settle_at_once_stretch_the_time_to_the_next():
+    """Drafting at 1.6x plain decoding's rate: every trial settles after two plain rounds, and each
+    doubles the drafting time before the next, up to max_probe_scale; at 1.15x (under the settle
+    margin) trials run their four rounds at the usual interval."""
+    usual = 2 * 4 * 0.125  # probe_ratio x a trial's four plain steps
+    fast, _ = _trial_gaps(Horizon("auto", max_len=32, plain_ok=True, probe_ratio=2), 8 * 1.6, 400)
+    longest_round = 33 / (8 * 1.6)  # L = 32: a trial comes after the round that made it due
+    assert all(k * usual <= g < k * usual + longest_round for k, g in zip([2, 4, 8, 8], fast)) and len(fast) > 4
+    slow, plain = _trial_gaps(Horizon("auto", max_len=32, plain_ok=True, probe_ratio=2), 8 * 1.15, 400)
+    assert len(slow) > 20 and all(usual <= g < usual + 33 / (8 * 1.15) for g in slow)  # no stretching
+    assert plain >= 4 * len(slow)  # each trial ran its four rounds (the last may be cut by the end)
+
+
+def test_a_drafting_rate_that_falls_brings_the_usual_trial_interval_back():
+    """After trials that settled at once stretched the interval, a drop of drafting's measured rate
+    under settle_margin x plain's makes the next trial due at the usual interval (here: at once)."""
+    h = Horizon("auto", max_len=32, plain_ok=True, probe_ratio=2)
+    _trial_gaps(h, 8 * 1.6, 60)
+    assert h._probe_scale == h.max_probe_scale
+    while h.L == 0:  # finish a trial in progress
+        h.update_rounds([(0, 0)] * 8, 0.0, 0.0, 0.125)
+    slow_rounds = 0
+    while h.L and slow_rounds < 10:  # acceptance fell: drafting at 0.9x plain
+        L = h.L
+        h.update_rounds([(L, L // 2)] * 8, 0.05, 0.0, 0.2, (L // 2 + 1) / (8 * 0.9))
+        slow_rounds += 1
+    # its rate is an average of rounds: two slow ones take it under the margin, and the usual
+    # interval (1 s of drafting) has passed by then: a trial at once, not ~8 s later
+    assert h.L == 0 and slow_rounds == 2 and h._probe_scale == 1.0
