@@ -7,8 +7,8 @@
 with ``a`` the measured per-token acceptance rate (accepted drafts over accept/reject trials, one of
 each added: :attr:`Horizon.acceptance`),
 ``t_draft`` the measured draft step (from rounds without a swap once there is one) and ``v(n)`` the
-verify forward of ``n`` tokens, from the seconds measured per block size (:func:`predict`: the median
-of the last few verifies of that size; between two measured sizes the line between those two only;
+verify forward of ``n`` tokens, from the seconds measured per block size (:func:`predict`: the fastest
+of the last few verifies of that size, as noise only adds time; between two measured sizes the line between those two only;
 above them the line through the largest two, never falling with more tokens; below them the
 smallest one's cost, as a block's rows pad to whole vectors). Not one line fitted
 across sizes: on a CPU a verify block is compute-bound and its cost can switch paths with its size (AMX
@@ -75,7 +75,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 DraftLen = int | str
-KEEP = 3  # verifies kept per block size; their median is its cost (one slow forward does not decide)
+# Verifies kept per block size; the fastest is its cost. A shared machine's noise only adds time, and
+# a round's first verify after the prefix swap reads a cache just written (8k / batch 8: 0.20-0.26 s
+# against 0.17-0.20 later). With the median, two samples of 0.26 and 0.19 s (rounds' seconds less
+# their draft steps) priced a 5-token verify at 0.225 s, and a run kept L = 3 to its end (11.5 tok/s
+# per request against L = 4's 12.0).
+KEEP = 3
 
 
 def check_draft_len(draft_len: DraftLen, max_len: int) -> None:
@@ -157,11 +162,11 @@ class Horizon:
 
     def verify_s(self, n: int) -> float | None:
         """Predicted seconds of an ``n``-token verify (:func:`predict` over the measured block sizes:
-        the median of each size's last ``KEEP``); ``None`` for an unmeasured size until two were."""
+        the fastest of each size's last ``KEEP``); ``None`` for an unmeasured size until two were."""
         return predict(self._costs(), n)
 
     def _costs(self) -> dict[int, float]:
-        return {n: statistics.median(v) for n, v in self._verify.items()}
+        return {n: min(v) for n, v in self._verify.items()}
 
     def round_s(self, L: int) -> float | None:
         """Predicted seconds of a round of ``L`` drafts: ``L t_draft + v(L + 1)``; a plain round (L = 0)
@@ -302,7 +307,7 @@ class Horizon:
 
     def _model_rate(self) -> float:
         """Expected tokens/s of the best block size verified so far (measured costs, no
-        extrapolation: :func:`rate` at the median of its verifies), 0 before a clean draft step."""
+        extrapolation: :func:`rate` at its cost, the fastest of its recent verifies), 0 before a clean draft step."""
         if not self._clean_step:
             return 0.0
         costs = self._costs()

@@ -229,6 +229,20 @@ def test_a_later_trial_settles_on_the_measured_rate_alone():
         assert h.L == 0  # not settled after two rounds: the trial runs on
 
 
+def test_a_block_size_costs_its_fastest_recent_verify():
+    """The first round's verify, just after the prefix swap wrote its cache, ran 0.26 s; a later
+    5-token verify 0.19 s: the size costs 0.19 (the median of the two, 0.225, kept a run at L = 3 where
+    L = 4 was faster)."""
+    h = Horizon("auto", max_len=32)
+    h.update_rounds([(4, 4)] * 8, 0.16, 0.3, 0.26)  # beside the swap
+    h.update_rounds([(7, 7)] * 8, 0.054, 0.0, 0.33)
+    h.update_rounds([(4, 4)] * 8, 0.054, 0.0, 0.19)
+    assert h.verify_s(5) == 0.19
+    for slow in (0.3, 0.31, 0.32):  # the last KEEP samples decide: a size re-measured slower costs more
+        h.update_rounds([(4, 4)] * 8, 0.054, 0.0, slow)
+    assert h.verify_s(5) == 0.3
+
+
 def _trial_gaps(h: Horizon, draft_rate: float, rounds: int) -> tuple[list[float], int]:
     """Lock-step rounds at a 0.125 s plain step, drafting rounds at ``draft_rate`` tokens per second
     per request (every draft accepted): the seconds of drafting before each plain trial after the
