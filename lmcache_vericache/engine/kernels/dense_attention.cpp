@@ -53,11 +53,12 @@ constexpr int kTok = 4;         // tokens scored together (share each q load)
 constexpr int kScoreVecs = kW == 16 ? 1 : 3;
 
 // K rows this many tokens ahead of the ones being scored are prefetched: from DRAM (8k entries x 3
-// heads, bf16, AVX-512 host) a decode step's call took 0.41-0.44 ms without, 0.35 with; a 5-token
-// verify's 0.52-0.53 -> 0.46, a 17-token one's 1.49 -> 1.41 (its scores are more compute than reads).
-// The distance hardly matters (32-256 tokens within 2%). V is left to the hardware: prefetched while
-// its tile was scored, the few-row calls ran slower than with K alone (0.37 / 0.48 ms). Arithmetic
-// unchanged: outputs are bit for bit those without.
+// heads, bf16, AVX-512 host, calls in a loop) a decode step's call took 0.41-0.45 ms without, 0.35-0.37
+// with; a 5-token verify's 0.52-0.62 -> 0.46-0.47, a 17-token one's 1.48 -> 1.41-1.43. Inside a batch-8
+// forward, between the linear layers, less: its 240 decode calls 103 -> 97 ms in one A/B, and a decode
+// run's step costs did not move beyond the noise. The distance hardly matters (32-256 tokens within 2%).
+// V is left to the hardware: prefetched while its tile was scored, the few-row calls ran slower than
+// with K alone. Arithmetic unchanged: outputs are bit for bit those without.
 constexpr int64_t kPrefetchTokens = 64;
 
 // Prefetch rows t..t+n of a [*, D] table of T (past its end too: a prefetch never faults).
