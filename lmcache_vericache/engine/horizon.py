@@ -56,8 +56,10 @@ short run); while drafting wins, a plain trial once drafting has run ``probe_rat
 as a trial takes, times ``2^k`` (at most ``max_probe_scale``) after ``k`` trials in a row that settled
 at once. Plain steps cost the same from one trial to the next; what changes is drafting's rate, and
 that is measured every round: while it stays ``settle_margin`` above plain's, a trial every ~8 s
-(8k / batch 8) re-measured nothing new, each trial ~0.1 s slower than drafting (5 in a 512-token run); once it falls
-under that, the usual interval is back (and a trial comes at once where it has passed).
+(8k / batch 8) re-measured nothing new, each trial ~0.1 s slower than drafting (5 in a 512-token
+run). The stretch holds while drafting's rate since the last trial (its tokens over its seconds: one
+round with rejections or an exploring round among many does not undo it) stays ``settle_margin``
+above plain's; under that the usual interval applies (a trial at once where it has passed).
 
 What is measured is what the caller passes (:class:`~.rounds.Rounds`): draft steps only from
 forwards without verify rows and verifies only from forwards without draft rows (a staggered forward
@@ -78,8 +80,10 @@ DraftLen = int | str
 # Verifies kept per block size; the fastest is its cost. A shared machine's noise only adds time, and
 # a round's first verify after the prefix swap reads a cache just written (8k / batch 8: 0.20-0.26 s
 # against 0.17-0.20 later). With the median, two samples of 0.26 and 0.19 s (rounds' seconds less
-# their draft steps) priced a 5-token verify at 0.225 s, and a run kept L = 3 to its end (11.5 tok/s
-# per request against L = 4's 12.0).
+# their draft steps) priced a 5-token verify at 0.225 s, and a run kept L = 3 for ~18 rounds, until
+# its next plain trial (11.5 tok/s per request against L = 4's 12.0). The fastest of more samples is
+# lower: the L in use (up to KEEP samples) is favoured a little over a size measured once, the
+# model's rates (the first trial's, ``predicted_s``) lean optimistic by about the noise of one sample.
 KEEP = 3
 
 
@@ -147,6 +151,7 @@ class Horizon:
     _clean_rounds: int = field(init=False, default=0)  # drafting rounds in _draft_rate (none beside a swap)
     _probe_len: int = field(init=False, default=0)  # the best L >= 1 when plain decoding was chosen
     _probe_scale: float = field(init=False, default=1.0)  # drafting runs probe_ratio x this before a trial
+    _mode_tokens: float = field(init=False, default=0.0)  # tokens per request of the drafting rounds in _mode_s
 
     def __post_init__(self) -> None:
         check_draft_len(self.draft_len, self.max_len)
@@ -210,7 +215,7 @@ class Horizon:
                 # a trial that settled at once (drafting settle_margin faster) doubles the time to the next
                 self._probe_scale = min(self.max_probe_scale, 2 * self._probe_scale) if settled else 1.0
                 if not self._plain_chosen or self._mode_s >= self.probe_ratio * self._round_s:
-                    self._mode_s = 0.0  # plain lost, or re-measure drafting
+                    self._mode_s = self._mode_tokens = 0.0  # plain lost, or re-measure drafting
                     self._choose(max(1, self._probe_len))
                     return
             self._choose(self.L)
@@ -226,6 +231,7 @@ class Horizon:
             self._draft_rate = _ema(self._draft_rate, (mean_accepted + 1) / round_s)
             self._clean_rounds += 1
             self._mode_s += round_s
+            self._mode_tokens += mean_accepted + 1
         self._acc = _ema(self._acc, mean_accepted)
         if draft_step_s > 0:  # steps beside a swap are slower: the first clean one replaces them
             if swap_s == 0 and not self._clean_step:
@@ -260,13 +266,13 @@ class Horizon:
             # measured rates prefer it.
             first = self._plain_rate == 0
             self._plain_chosen = not first and self._prefer_plain()
-            if not first and self._draft_rate < self.settle_margin * self._plain_rate:
-                self._probe_scale = 1.0  # drafting no longer far ahead: plain is re-measured at the usual interval
-            trial_due = self._mode_s * self._plain_rate >= self.probe_ratio * self.plain_trial * self._probe_scale
+            far_ahead = self._mode_tokens >= self.settle_margin * self._plain_rate * self._mode_s  # since the trial
+            stretch = self._probe_scale if far_ahead else 1.0
+            trial_due = self._mode_s * self._plain_rate >= self.probe_ratio * self.plain_trial * stretch
             if first or self._plain_chosen or trial_due:
                 self._trial_left = 0 if self._plain_chosen else self.plain_trial
                 self._trial_steps = []
-                self._probe_len, self._mode_s, L = L_best, 0.0, 0
+                self._probe_len, self._mode_s, self._mode_tokens, L = L_best, 0.0, 0.0, 0
         if L != L_best and L > 0:
             self._explored += 1
         self._choose(L, explore=L != L_best and L > 0)
@@ -331,9 +337,10 @@ def predict(costs: Mapping[int, float], n: int) -> float | None:
 
     Below the measured sizes a block is priced as the smallest measured one, not by a line: on a CPU
     a verify pads its query rows to whole vectors, so its cost is flat across the sizes that fit one
-    vector (8k / batch 8 bf16: 2 tokens 0.15-0.21 s, 5 tokens 0.17-0.20 s), and the line through 5 and 9 tokens
-    priced 2 tokens at 0.08 s and bought a 1-draft round that ran at two thirds of L = 4's rate. Where
-    smaller blocks are really cheaper, exploration (:meth:`Horizon._explore`) measures one."""
+    vector (8k / batch 8 bf16: 2 tokens 0.15-0.21 s, 5 tokens 0.17-0.20 s), and the line through 5
+    and 8-9 tokens priced 2 tokens at 0.07-0.08 s and bought a 1-draft round that ran at two thirds of
+    L = 4's rate. Where smaller blocks are really cheaper, exploration (:meth:`Horizon._explore`)
+    measures one."""
     if n in costs:
         return costs[n]
     if len(costs) < 2:

@@ -275,19 +275,30 @@ def test_plain_trials_that_settle_at_once_stretch_the_time_to_the_next():
     assert plain >= 4 * len(slow)  # each trial ran its four rounds (the last may be cut by the end)
 
 
-def test_a_drafting_rate_that_falls_brings_the_usual_trial_interval_back():
-    """After trials that settled at once stretched the interval, a drop of drafting's measured rate
-    under settle_margin x plain's makes the next trial due at the usual interval (here: at once)."""
+def _after_stretched_trials() -> Horizon:
+    """A horizon whose trials settled at once until the interval reached 8x (8 s of drafting here),
+    just after its last trial ended (no drafting since)."""
     h = Horizon("auto", max_len=32, plain_ok=True, probe_ratio=2)
     _trial_gaps(h, 8 * 1.6, 60)
     assert h._probe_scale == h.max_probe_scale
-    while h.L == 0:  # finish a trial in progress
+    while h.L:  # on to the next trial, and through it
+        h.update_rounds([(h.L, h.L)] * 8, 0.05, 0.0, 0.2, (h.L + 1) / (8 * 1.6))
+    while h.L == 0:
         h.update_rounds([(0, 0)] * 8, 0.0, 0.0, 0.125)
-    slow_rounds = 0
-    while h.L and slow_rounds < 10:  # acceptance fell: drafting at 0.9x plain
-        L = h.L
-        h.update_rounds([(L, L // 2)] * 8, 0.05, 0.0, 0.2, (L // 2 + 1) / (8 * 0.9))
-        slow_rounds += 1
-    # its rate is an average of rounds: two slow ones take it under the margin, and the usual
-    # interval (1 s of drafting) has passed by then: a trial at once, not ~8 s later
-    assert h.L == 0 and slow_rounds == 2 and h._probe_scale == 1.0
+    return h
+
+
+def test_the_stretch_holds_while_drafting_since_the_last_trial_stays_far_ahead():
+    """One round with rejections after fast ones does not undo the stretch (drafting's rate since
+    the trial, its tokens over its seconds, stays 1.25x plain's; a running average of rounds' rates
+    fell under it); where that rate falls under the margin the usual interval (1 s here) applies, and
+    a trial comes at once where it has passed."""
+    h = _after_stretched_trials()
+    L = h.L
+    for _ in range(2):
+        h.update_rounds([(L, L)] * 8, 0.05, 0.0, 0.2, (L + 1) / (8 * 1.6))  # 2.6 s at 1.6x plain
+    h.update_rounds([(L, L // 2)] * 8, 0.05, 0.0, 0.2, (L // 2 + 1) / (8 * 0.8))  # 2.7 s at 0.8x
+    assert h.L > 0  # 7.8 s at 1.33x plain since the trial: the 8 s interval holds
+    h = _after_stretched_trials()
+    h.update_rounds([(L, L // 2)] * 8, 0.05, 0.0, 0.2, (L // 2 + 1) / (8 * 0.8))  # acceptance fell
+    assert h.L == 0 and h._probe_scale == h.max_probe_scale  # 2.7 s at 0.8x: past the usual 1 s
