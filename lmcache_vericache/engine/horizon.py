@@ -7,10 +7,10 @@
 with ``a`` the measured per-token acceptance rate (accepted drafts over accept/reject trials, one of
 each added: :attr:`Horizon.acceptance`),
 ``t_draft`` the measured draft step (from rounds without a swap once there is one) and ``v(n)`` the
-verify forward of ``n`` tokens, from the seconds measured per block size (:func:`predict`: the fastest
-of the last few verifies of that size, as noise only adds time; between two measured sizes the line between those two only;
-above them the line through the largest two, never falling with more tokens; below them the
-smallest one's cost, as a block's rows pad to whole vectors). Not one line fitted
+verify forward of ``n`` tokens, from the seconds measured per block size (:func:`predict`: the
+fastest of the last few verifies of that size, as noise only adds time; between two measured sizes
+the line between those two only; above them the line through the largest two, never falling with
+more tokens; below them the smallest one's cost, as a block's rows pad to whole vectors). Not one line fitted
 across sizes: on a CPU a verify block is compute-bound and its cost can switch paths with its size (AMX
 tiles from 10 tokens), so a line fitted over short blocks misprices long ones. The swap of the full
 prefix must hide behind drafting, so L >= L_min = ceil(T_swap / t_draft) while rounds swap. Until two
@@ -151,7 +151,7 @@ class Horizon:
     _clean_rounds: int = field(init=False, default=0)  # drafting rounds in _draft_rate (none beside a swap)
     _probe_len: int = field(init=False, default=0)  # the best L >= 1 when plain decoding was chosen
     _probe_scale: float = field(init=False, default=1.0)  # drafting runs probe_ratio x this before a trial
-    _mode_tokens: float = field(init=False, default=0.0)  # tokens per request of the drafting rounds in _mode_s
+    _mode_tokens: float = field(init=False, default=0.0)  # tokens per request of _mode_s's drafting rounds
 
     def __post_init__(self) -> None:
         check_draft_len(self.draft_len, self.max_len)
@@ -266,7 +266,8 @@ class Horizon:
             # measured rates prefer it.
             first = self._plain_rate == 0
             self._plain_chosen = not first and self._prefer_plain()
-            far_ahead = self._mode_tokens >= self.settle_margin * self._plain_rate * self._mode_s  # since the trial
+            # drafting's rate since the last trial (tokens over seconds) settle_margin above plain's
+            far_ahead = self._mode_tokens >= self.settle_margin * self._plain_rate * self._mode_s
             stretch = self._probe_scale if far_ahead else 1.0
             trial_due = self._mode_s * self._plain_rate >= self.probe_ratio * self.plain_trial * stretch
             if first or self._plain_chosen or trial_due:
@@ -313,7 +314,8 @@ class Horizon:
 
     def _model_rate(self) -> float:
         """Expected tokens/s of the best block size verified so far (measured costs, no
-        extrapolation: :func:`rate` at its cost, the fastest of its recent verifies), 0 before a clean draft step."""
+        extrapolation: :func:`rate` at its cost, the fastest of its recent verifies), 0 before a
+        clean draft step."""
         if not self._clean_step:
             return 0.0
         costs = self._costs()

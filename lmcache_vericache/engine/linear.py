@@ -13,8 +13,8 @@ rows too, though oneDNN is 12% faster there: one path for every row count up to 
 a verify block computes the linear layers of each of its tokens bit for bit as that token's decode
 step does, so bf16 VeriCache and full-KV decoding round alike (a verify of more rows, batch x
 (L + 1) > ``MAX_ROWS``, i.e. beyond batch 16 at the longest horizon, takes oneDNN and may round
-apart). With AMX tiles oneDNN multiplies there (not measured against the kernel yet). ``VERICACHE_LINEAR`` (``auto``, ``kernel``, ``blas``) overrides
-the choice for bf16 weights (A/B runs).
+apart). With AMX tiles oneDNN multiplies there (not measured against the kernel yet).
+``VERICACHE_LINEAR`` (``auto``, ``kernel``, ``blas``) overrides the choice for bf16 weights (A/B runs).
 """
 
 from __future__ import annotations

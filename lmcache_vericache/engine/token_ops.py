@@ -57,8 +57,8 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     n, d = x.shape[0], x.shape[-1]
     if (mod is not None and x.dim() == 3 and x.is_contiguous() and cos.dtype == sin.dtype == x.dtype
             and cos.shape == sin.shape == (n, 1, d) and cos.device == sin.device == x.device):
-        return mod.rope(x, cos.reshape(x.shape[0], -1).contiguous(), sin.reshape(x.shape[0], -1).contiguous())
-    half = x.shape[-1] // 2
+        return mod.rope(x, cos.reshape(n, d).contiguous(), sin.reshape(n, d).contiguous())
+    half = d // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
