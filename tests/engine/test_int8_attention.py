@@ -22,7 +22,7 @@ def _quantized(h, t, d, gen):
 
 
 # The float path is exact up to float rounding; the integer paths round q (per row) and the weights
-# (per row and 16-token block) to 8 bits (AVX512-VNNI) or 7 bits (AVX2): a drafter's numerics,
+# (per row and 32 tokens with AVX512-VNNI, 16 with AVX2) to 8 bits (VNNI) or 7 bits (AVX2): a drafter's numerics,
 # measured here at most ~5e-2 on outputs of magnitude ~4 with these large random scores
 # (q ~ 2 N(0, 1)).
 PATHS = [pytest.param(False, (2e-5, 1e-4), id="float"),

@@ -20,7 +20,7 @@
 //
 // With AVX512-VNNI (attend_vnni) the scores are integer dot products of the codes with q rounded
 // to int8 (one scale per row), and p v integer dot products of the value codes with the weights
-// p * vs rounded to uint8 (one scale per row and block of 16 tokens): a drafter's numerics
+// p * vs rounded to uint8 (one scale per row and 32 tokens, kWeightBlocks): a drafter's numerics
 // (tests/engine/test_int8_attention.py bounds them), at a fifth of the instructions. With AVX2
 // alone (attend_madd) the same dot products are two multiply-adds each, q and the weights rounded
 // to 7 bits. Elsewhere, or with integer=false, attend_float converts the codes to float and uses
@@ -62,6 +62,13 @@ using vericache::vint;
 
 constexpr int64_t kBlock = 16;  // tokens per key block: one AVX-512 vector of scores
 constexpr int kMaxRows = 8;     // query rows per pass (more rows: several passes over the codes)
+// Blocks a source's prefetch_keys / prefetch_values asks for ahead of the one being read (the
+// codebook tiles: 2 KB of 4-bit keys; from DRAM 0.84-0.90 -> 0.74-0.78 ms for a batch-8 layer at 8k,
+// docs/benchmarks.md).
+constexpr int64_t kAhead = 4;
+// Blocks whose p v weights share one uint8 scale in the VNNI path: the scale (a horizontal max, a
+// division) and the integer sums' conversion are paid per 32 tokens, not 16.
+constexpr int kWeightBlocks = 2;
 
 // Row softmax of s [m, Tp] over its first T entries: numerators exp(s - max) in place (padding
 // entries set to 0), with each row's max and sum; kW entries at a time, a scalar tail.
@@ -191,8 +198,10 @@ void attend_vnni(const float* __restrict__ q, const Src& src, const float* __res
     qoff[i] = 128 * total;
   }
   for (int64_t b = 0; b < nb; ++b) {
+    if (b + kAhead < nb) src.prefetch_keys(b + kAhead);
     __m512i acc[M];
     for (int i = 0; i < M; ++i) acc[i] = _mm512_setzero_si512();
+#pragma GCC unroll 32  // unrolled, a codebook source's vector index g % 4 is a constant: shifts by immediates
     for (int g = 0; g < D / 4; ++g) {
       const __m512i ku = src.key_u8(b, g);  // codes + 128: vpdpbusd's unsigned operand
       for (int i = 0; i < M; ++i) {
@@ -211,36 +220,51 @@ void attend_vnni(const float* __restrict__ q, const Src& src, const float* __res
   }
   float mx[M], sum[M];
   softmax_numerators(s, M, T, Tp, mx, sum);
-  // p v: per block of 16 tokens, the weights p * vs of each row rounded to uint8 against the
-  // block's largest, 4 tokens per dword; integer sums over the block, then scaled to float.
-  constexpr int kV = D / 16;
+  // p v: per span of kWeightBlocks blocks, the weights p * vs of each row rounded to uint8 against
+  // the span's largest, 4 tokens per dword; integer sums over the span, then scaled to float.
+  constexpr int kV = D / 16, kSpan = kWeightBlocks;
   __m512 o[M][kV];
   for (int i = 0; i < M; ++i)
     for (int c = 0; c < kV; ++c) o[i][c] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const int64_t t0 = b * kBlock;
-    const __m512 vscale = t0 + kBlock <= T ? _mm512_loadu_ps(vs + t0)
-                                           : _mm512_maskz_loadu_ps((1u << (T - t0)) - 1, vs + t0);
-    alignas(64) uint8_t wq[M][kBlock];
+  for (int64_t b0 = 0; b0 < nb; b0 += kSpan) {
+    const int blocks = static_cast<int>(std::min<int64_t>(kSpan, nb - b0));
+    __m512 w[M][kSpan], top[M];
+    for (int i = 0; i < M; ++i) top[i] = _mm512_setzero_ps();
+    for (int k = 0; k < blocks; ++k) {
+      const int64_t t0 = (b0 + k) * kBlock;
+      const __m512 vscale = t0 + kBlock <= T ? _mm512_loadu_ps(vs + t0)
+                                             : _mm512_maskz_loadu_ps((1u << (T - t0)) - 1, vs + t0);
+      for (int i = 0; i < M; ++i) {
+        w[i][k] = _mm512_mul_ps(_mm512_loadu_ps(s + i * Tp + t0), vscale);
+        top[i] = _mm512_max_ps(top[i], w[i][k]);
+      }
+    }
+    alignas(64) uint8_t wq[M][kSpan * kBlock];
     float wscale[M];
     for (int i = 0; i < M; ++i) {
-      const __m512 w = _mm512_mul_ps(_mm512_loadu_ps(s + i * Tp + t0), vscale);
-      const float top = _mm512_reduce_max_ps(w);
-      wscale[i] = top > 0.f ? top / 255.f : 0.f;
-      const __m512 inv = _mm512_set1_ps(top > 0.f ? 255.f / top : 0.f);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(wq[i]), _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(w, inv))));
+      const float largest = _mm512_reduce_max_ps(top[i]);
+      wscale[i] = largest > 0.f ? largest / 255.f : 0.f;
+      const __m512 inv = _mm512_set1_ps(largest > 0.f ? 255.f / largest : 0.f);
+      for (int k = 0; k < blocks; ++k)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(wq[i] + k * kBlock),
+                         _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(w[i][k], inv))));
     }
     __m512i acc[M][kV];
     for (int i = 0; i < M; ++i)
       for (int c = 0; c < kV; ++c) acc[i][c] = _mm512_setzero_si512();
-    for (int g = 0; g < kBlock / 4; ++g) {
-      __m512i vv[kV];
-      for (int c = 0; c < kV; ++c) vv[c] = src.value512(4 * b + g, c);
-      for (int i = 0; i < M; ++i) {
-        int32_t ww;
-        std::memcpy(&ww, &wq[i][4 * g], sizeof ww);
-        const __m512i wb = _mm512_set1_epi32(ww);
-        for (int c = 0; c < kV; ++c) acc[i][c] = _mm512_dpbusd_epi32(acc[i][c], wb, vv[c]);
+    for (int k = 0; k < blocks; ++k) {
+      const int64_t b = b0 + k;
+      if (b + kAhead < nb) src.prefetch_values(b + kAhead);
+#pragma GCC unroll 4  // the quad's index in its tile, quad & 3, a constant (as the keys' g % 4)
+      for (int g = 0; g < kBlock / 4; ++g) {
+        __m512i vv[kV];
+        for (int c = 0; c < kV; ++c) vv[c] = src.value512(4 * b + g, c);
+        for (int i = 0; i < M; ++i) {
+          int32_t ww;
+          std::memcpy(&ww, &wq[i][k * kBlock + 4 * g], sizeof ww);
+          const __m512i wb = _mm512_set1_epi32(ww);
+          for (int c = 0; c < kV; ++c) acc[i][c] = _mm512_dpbusd_epi32(acc[i][c], wb, vv[c]);
+        }
       }
     }
     for (int i = 0; i < M; ++i) {
@@ -449,6 +473,10 @@ struct Int8Codes {
     return _mm512_xor_si512(_mm512_loadu_si512(key(b, g, nullptr)), _mm512_set1_epi8(static_cast<char>(0x80)));
   }
   __m512i value512(int64_t quad, int c) const { return _mm512_loadu_si512(value(quad, c, nullptr)); }
+  // The hardware prefetchers keep up with int8's longer runs: software prefetch measured slower
+  // (docs/benchmarks.md).
+  void prefetch_keys(int64_t) const {}
+  void prefetch_values(int64_t) const {}
 #endif
 };
 
@@ -468,7 +496,7 @@ inline int tile_code(const uint8_t* tile, int bits, int j, int k) {
 }
 
 #if VERICACHE_VNNI
-inline __m512i tile_codes(const uint8_t* tile, int bits, int j) {
+__attribute__((always_inline)) inline __m512i tile_codes(const uint8_t* tile, int bits, int j) {
   if (bits == 4)
     return _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512(tile + 64 * (j / 2)), _mm_cvtsi32_si128(4 * (j % 2))),
                             _mm512_set1_epi8(15));
@@ -508,7 +536,13 @@ struct CodebookCodes {
   }
   __m512i key_u8(int64_t b, int g) const { return _mm512_shuffle_epi8(ktable_u8, tile_codes(key_tile(b, g), kbits, g % 4)); }
   __m512i value512(int64_t quad, int c) const {
-    return _mm512_shuffle_epi8(vtable, tile_codes(value_tile(quad, c), vbits, quad % 4));
+    return _mm512_shuffle_epi8(vtable, tile_codes(value_tile(quad, c), vbits, static_cast<int>(quad & 3)));
+  }
+  // Block b's tiles (all dimension groups), into L1.
+  void prefetch_keys(int64_t b) const { prefetch(key_tile(b, 0), D / 16 * 32 * kbits); }
+  void prefetch_values(int64_t b) const { prefetch(value_tile(4 * b, 0), D / 16 * 32 * vbits); }
+  static void prefetch(const uint8_t* p, int bytes) {
+    for (int at = 0; at < bytes; at += 64) _mm_prefetch(reinterpret_cast<const char*>(p + at), _MM_HINT_T0);
   }
 #else
   CodebookCodes(const uint8_t* kt, const uint8_t* vt, int kbits, int vbits, const int8_t* klut, const int8_t* vlut)
