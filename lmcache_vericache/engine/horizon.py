@@ -17,7 +17,9 @@ prefix must hide behind drafting, so L >= L_min = ceil(T_swap / t_draft) while r
 block sizes were verified, L starts at ``start_len`` (4), doubles after a round that accepted every
 draft and drops to about 1.5x the recent accepted run after a rejection (a first round that drafted
 on past its L while its stored prefix arrived, :meth:`~.rounds.Rounds.draft_while_swapping`, grows
-from the L chosen, not from what it drafted). These first two rounds are
+from the L chosen, not from what it drafted). With the full KV resident (no swap floor) the round
+beside a stored prefix's swap measures no verify cost (its verify reads a cache just written: 20-30%
+slower at 8k / batch 8), and the next round runs its L again, measured. These first rounds are
 what the horizon pays to learn, wasted where drafting does not pay, so they are short: starting at 8
 (8 then 16 drafts before the first plain trial) lost 17% at 1k / batch 1 in bf16 and 5% at 2k /
 batch 8; at 4, 2% and none (AMX host, 64 tokens; 8k / batch 8 unchanged within noise, 1.32x against
@@ -45,7 +47,8 @@ chosen at once (a first plain step after drafting rounds runs up to ~15% slow, a
 not decide, hence two and the margin; at 8k / batch 8 the 2 rounds saved per trial are 1-2% of a
 128-token run). In the first trial drafting's rate there is the larger of the one clean round's
 measured rate and the rate the cost model gives at a block size actually verified (measured step and
-verify — a verify waits for its swap, so even the first round's is one — and the acceptance rate):
+verify — a verify waits for its swap, so where every round swaps even the first round's is one — and
+the acceptance rate):
 that round is one sample of acceptance, and its rejections (8k / batch 8, every row of one run:
 under 10 tok/s, against ~11.5 in the later rounds) had run all four trial rounds. From then on the
 measured tokens/s of plain and drafting rounds decide (the mode in use stays unless the other
@@ -223,7 +226,13 @@ class Horizon:
         rounds = [(d, a) for d, a in rounds if d > 0]
         mean_accepted = sum(a for _, a in rounds) / len(rounds)
         self._drafting += 1
-        if verify_s > 0:
+        # With the full KV resident only a stored prefix's first round swaps, and its verify reads a
+        # cache the swap has just written (8k / batch 8: 0.20-0.26 s for 5 tokens against 0.17-0.20
+        # later): not that size's cost. Kept, it priced 5 tokens high until 5 was run again, which
+        # nothing made happen: a sampled row ran L = 9 to its end (11.6 tok/s per request at its step
+        # costs) where L = 4 gives 12.8. The next round runs the same L without the swap instead.
+        first_swap = swap_s > 0 and not self.swap_floor
+        if verify_s > 0 and not first_swap:
             self._verify.setdefault(drafted + 1, deque(maxlen=KEEP)).append(verify_s)
             self._verified_at[drafted + 1] = self._drafting
         if round_s > 0 and swap_s == 0:  # a swap shares the cores and memory bus with drafting: no rate evidence
@@ -252,6 +261,8 @@ class Horizon:
             chosen = self._chosen[0]
             if drafted > chosen > 0:  # drafted on past its L while a swap was arriving: grow from the L chosen
                 want = min(want, 2 * chosen)
+            if first_swap and not self._verify and chosen > 0:  # its verify unmeasured: the same L, measured
+                want = chosen
             L = L_best = max(self.l_min, min(self.max_len, want))
         else:
             costs = self._costs()
