@@ -55,7 +55,12 @@ measured tokens/s of plain and drafting rounds decide (the mode in use stays unl
 measured ``switch_margin`` faster), and each mode is re-measured now and then, so a change in
 acceptance or costs is noticed at a bounded price: while plain wins, one drafting round once the
 plain rounds have run ``probe_ratio`` times as long as the last drafting round took (none in a
-short run); while drafting wins, a plain trial once drafting has run ``probe_ratio`` times as long
+short run), ``close_probe`` (a quarter) of that where plain measured under ``settle_margin`` faster
+than drafting: a few slow drafting rounds (a slow phase of a shared machine: `_s8b`'s sampled int8
+row, 8 rounds at 7.9 tok/s per request against 10.9 before and after) flip the mode to plain on a
+close call, and re-checked only after 16 rounds' time, plain ran 54 rounds (6.5 s of a ~12 s run);
+a probe is at most one round at worst 1 / settle_margin of plain's rate, so the quarter costs under
+5% where plain truly wins by a little. While drafting wins, a plain trial once drafting has run ``probe_ratio`` times as long
 as a trial takes, times ``2^k`` (at most ``max_probe_scale``) after ``k`` trials in a row that settled
 at once. Plain steps cost the same from one trial to the next; what changes is drafting's rate, and
 that is measured every round: while it stays ``settle_margin`` above plain's, a trial every ~8 s
@@ -125,6 +130,7 @@ class Horizon:
     plain_ok: bool = False
     swap_floor: bool = True  # a round's swap floors the next L (offload: every round swaps; resident: only the first)
     probe_ratio: float = 16.0
+    close_probe: float = 0.25  # while plain wins by less than settle_margin, drafting is re-probed this much sooner
     max_probe_scale: float = 8.0  # trials that settle at once stretch the time to the next up to this much
     plain_trial: int = 4  # plain rounds per trial (their median decides): one slow step does not
     switch_margin: float = 1.05  # the other mode must measure this much faster to be chosen
@@ -217,7 +223,11 @@ class Horizon:
                 self._plain_chosen = False if settled else self._prefer_plain()
                 # a trial that settled at once (drafting settle_margin faster) doubles the time to the next
                 self._probe_scale = min(self.max_probe_scale, 2 * self._probe_scale) if settled else 1.0
-                if not self._plain_chosen or self._mode_s >= self.probe_ratio * self._round_s:
+                # a close call (plain under settle_margin faster: a few slow drafting rounds can make
+                # it) is re-checked sooner
+                close = self._plain_rate < self.settle_margin * self._draft_rate
+                probe_s = self.probe_ratio * self._round_s * (self.close_probe if close else 1.0)
+                if not self._plain_chosen or self._mode_s >= probe_s:
                     self._mode_s = self._mode_tokens = 0.0  # plain lost, or re-measure drafting
                     self._choose(max(1, self._probe_len))
                     return

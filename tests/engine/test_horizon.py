@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import statistics
+from collections.abc import Callable
 
 from lmcache_vericache.engine.horizon import Horizon, best, predict, rate
 
@@ -256,6 +257,38 @@ def test_a_resident_first_rounds_verify_does_not_price_its_block_size():
         chosen.append(h.L)
     assert h.verify_s(5) == verify(5)
     assert 3 <= statistics.median(chosen[-12:]) <= 5, chosen
+
+
+def _plain_runs(h: Horizon, rate_at: Callable[[float], float], rounds: int) -> list[int]:
+    """Lock-step rounds at a 0.119 s plain step; a drafting round (every draft accepted) starting at
+    second t at ``rate_at(t)`` tokens/s per request. The lengths of the runs of plain rounds after the
+    first trial."""
+    runs, run, t = [], 0, 0.0
+    for _ in range(rounds):
+        if h.L == 0:
+            run += 1
+            h.update_rounds([(0, 0)] * 8, 0.0, 0.0, 0.119)
+            t += 0.119
+            continue
+        if run:
+            runs.append(run)
+        run, L = 0, h.L
+        round_s = (L + 1) / rate_at(t)
+        h.update_rounds([(L, L)] * 8, 0.05, 0.0, 0.05 * L, round_s)
+        t += round_s
+    return runs[1:] + ([run] if run else [])  # runs[0]: the first trial
+
+
+def test_a_close_call_for_plain_is_re_probed_sooner():
+    """`_s8b`'s sampled int8 row: drafting at 10.9 tok/s per request, then ~3 s of slow rounds at 7.9 (a
+    slow phase of the machine) under plain's 8.4: plain was chosen and, re-probed after 16 rounds'
+    time, ran 54 rounds (~6.5 s). On a close call (plain under settle_margin faster) the probe comes
+    after a quarter of that; where plain wins clearly the interval is unchanged."""
+    slow_phase = lambda t: 7.9 if 3.0 <= t < 6.0 else 10.9  # noqa: E731
+    runs = _plain_runs(Horizon("auto", max_len=32, plain_ok=True), slow_phase, 300)
+    assert runs and max(runs) <= 16 and sum(runs) <= 40, runs  # a quarter of 16 x ~0.4 s: ~14 plain steps
+    always_slow = _plain_runs(Horizon("auto", max_len=32, plain_ok=True), lambda t: 5.0, 400)
+    assert always_slow and min(always_slow[:-1]) >= 40, always_slow  # 16 x its round: plain wins clearly
 
 
 def test_a_block_size_costs_its_fastest_recent_verify():
