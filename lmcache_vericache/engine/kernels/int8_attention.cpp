@@ -550,6 +550,23 @@ struct CodebookCodes {
 #endif
 };
 
+// y = x r for m rows x [m, D] and r [D, D] (row-major): each row's D sums in registers, one FMA per
+// element of r (a codebook call rotates 3 rows per head and job: with a runtime D, a scalar loop
+// was most of a short call).
+template <int D>
+void rotate_rows(const float* __restrict__ x, int64_t m, const float* __restrict__ r, float* __restrict__ y) {
+  constexpr int kVecs = D / kW;
+  static_assert(D % kW == 0, "head size must be a multiple of the vector width");
+  for (int64_t i = 0; i < m; ++i) {
+    vfloat acc[kVecs] = {};
+    for (int d = 0; d < D; ++d) {
+      const float xd = x[i * D + d];
+      for (int c = 0; c < kVecs; ++c) acc[c] += xd * load_floats(r + d * D + c * kW);
+    }
+    for (int c = 0; c < kVecs; ++c) store_floats(y + i * D + c * kW, acc[c]);
+  }
+}
+
 // f(std::integral_constant<int, D>) for the compiled head sizes.
 template <typename F>
 void with_head_dim(int64_t D, F&& f) {
@@ -687,34 +704,23 @@ std::vector<std::vector<torch::Tensor>> codebook_attention(std::vector<torch::Te
                 vrot.sizes() == krot.sizes(), "rotations must be contiguous float32 [D, D]");
   }
   const bool vnni = integer && (VERICACHE_VNNI || VERICACHE_MADD);
-  const float* kr = krot.data_ptr<float>();
+  const torch::Tensor krot_t = krot.t().contiguous();
+  const float* krt = krot_t.data_ptr<float>();
   const float* vr = vrot.data_ptr<float>();
   return run_jobs(q, ks, vs, scale, sk, sv, causal, [&](size_t j, int64_t h, const float* qh, float* oh, float* lh, float* s) {
     const int64_t m = q[j].size(1), D = q[j].size(2), T = ks[j].size(1), nb = (T + kBlock - 1) / kBlock;
     std::vector<float> qr(static_cast<size_t>(m * D)), orot(static_cast<size_t>(m * D));
-    for (int64_t i = 0; i < m; ++i)  // q R^T: the rotated query rows
-      for (int64_t c = 0; c < D; ++c) {
-        float acc = 0.f;
-        for (int64_t d = 0; d < D; ++d) acc += kr[c * D + d] * qh[i * D + d];
-        qr[i * D + c] = acc;
-      }
     with_head_dim(D, [&](auto dim) {
       constexpr int DIM = decltype(dim)::value;
+      rotate_rows<DIM>(qh, m, krt, qr.data());  // q R^T: the rotated query rows
       const int64_t tile = nb * (DIM / 16);
       const CodebookCodes<DIM> src{kt[j].data_ptr<uint8_t>() + h * tile * 32 * kbits,
                                    vt[j].data_ptr<uint8_t>() + h * tile * 32 * vbits, static_cast<int>(kbits),
                                    static_cast<int>(vbits), klut.data_ptr<int8_t>(), vlut.data_ptr<int8_t>()};
       attend_head<DIM>(qr.data(), m, src, ks[j].data_ptr<float>() + h * T, vs[j].data_ptr<float>() + h * T, T,
                        static_cast<float>(scale), vnni, orot.data(), lh, s);
+      rotate_rows<DIM>(orot.data(), m, vr, oh);  // o R_v: back from the rotated domain
     });
-    for (int64_t i = 0; i < m; ++i) {  // o R_v: back from the rotated domain
-      float* oi = oh + i * D;
-      std::fill(oi, oi + D, 0.f);
-      for (int64_t c = 0; c < D; ++c) {
-        const float x = orot[i * D + c];
-        for (int64_t d = 0; d < D; ++d) oi[d] += x * vr[c * D + d];
-      }
-    }
   });
 }
 
