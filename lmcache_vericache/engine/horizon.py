@@ -56,9 +56,9 @@ measured ``switch_margin`` faster), and each mode is re-measured now and then, s
 acceptance or costs is noticed at a bounded price: while plain wins, one drafting round once the
 plain rounds have run ``probe_ratio`` times as long as the last drafting round took (none in a
 short run), ``close_probe`` (a quarter) of that where plain measured under ``settle_margin`` faster
-than drafting: a few slow drafting rounds (a slow phase of a shared machine: `_s8b`'s sampled int8
-row, 8 rounds at 7.9 tok/s per request against 10.9 before and after) flip the mode to plain on a
-close call, and re-checked only after 16 rounds' time, plain ran 54 rounds (6.5 s of a ~12 s run);
+than drafting: a few slow drafting rounds (a slow phase of a shared machine: in `_s8b`'s sampled
+int8 row at 8k / batch 8, L = 4 rounds went from 0.36-0.37 s to 0.39-0.50 s) flip the mode to plain
+on a close call, and re-checked only after 16 rounds' time, plain ran 54 rounds (6.5 s of a ~12 s run);
 a probe is at most one round at worst 1 / settle_margin of plain's rate, so the quarter costs under
 5% where plain truly wins by a little. While drafting wins, a plain trial once drafting has run ``probe_ratio`` times as long
 as a trial takes, times ``2^k`` (at most ``max_probe_scale``) after ``k`` trials in a row that settled

@@ -280,10 +280,11 @@ def _plain_runs(h: Horizon, rate_at: Callable[[float], float], rounds: int) -> l
 
 
 def test_a_close_call_for_plain_is_re_probed_sooner():
-    """`_s8b`'s sampled int8 row: drafting at 10.9 tok/s per request, then ~3 s of slow rounds at 7.9 (a
-    slow phase of the machine) under plain's 8.4: plain was chosen and, re-probed after 16 rounds'
-    time, ran 54 rounds (~6.5 s). On a close call (plain under settle_margin faster) the probe comes
-    after a quarter of that; where plain wins clearly the interval is unchanged."""
+    """`_s8b`'s sampled int8 row: a slow phase of the VM slowed its drafting rounds until their rate fell
+    under plain's (8.4 tok/s per request); plain was chosen and, re-probed after 16 rounds' time, ran
+    54 rounds (~6.5 s). Here drafting runs at 10.9, at 7.9 for ~3 s: on a close call (plain under
+    settle_margin faster) the probe comes after a quarter of that; where plain wins clearly the
+    interval is unchanged."""
     slow_phase = lambda t: 7.9 if 3.0 <= t < 6.0 else 10.9  # noqa: E731
     runs = _plain_runs(Horizon("auto", max_len=32, plain_ok=True), slow_phase, 300)
     assert runs and max(runs) <= 16 and sum(runs) <= 40, runs  # a quarter of 16 x ~0.4 s: ~14 plain steps
