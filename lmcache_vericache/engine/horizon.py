@@ -17,9 +17,10 @@ prefix must hide behind drafting, so L >= L_min = ceil(T_swap / t_draft) while r
 block sizes were verified, L starts at ``start_len`` (4), doubles after a round that accepted every
 draft and drops to about 1.5x the recent accepted run after a rejection (a first round that drafted
 on past its L while its stored prefix arrived, :meth:`~.rounds.Rounds.draft_while_swapping`, grows
-from the L chosen, not from what it drafted). With the full KV resident (no swap floor) the round
+from the L chosen, not from what it drafted). With the full KV resident (no swap floor) a round
 beside a stored prefix's swap measures no verify cost (its verify reads a cache just written: 20-30%
-slower at 8k / batch 8), and the next round runs its L again, measured. These first rounds are
+slower at 8k / batch 8); where nothing was measured yet the next round runs the same L again,
+measured (after a rejection too). These first rounds are
 what the horizon pays to learn, wasted where drafting does not pay, so they are short: starting at 8
 (8 then 16 drafts before the first plain trial) lost 17% at 1k / batch 1 in bf16 and 5% at 2k /
 batch 8; at 4, 2% and none (AMX host, 64 tokens; 8k / batch 8 unchanged within noise, 1.32x against
@@ -46,9 +47,8 @@ than a verify block, so its cost is measured, not extrapolated from verify block
 chosen at once (a first plain step after drafting rounds runs up to ~15% slow, and one slow step must
 not decide, hence two and the margin; at 8k / batch 8 the 2 rounds saved per trial are 1-2% of a
 128-token run). In the first trial drafting's rate there is the larger of the one clean round's
-measured rate and the rate the cost model gives at a block size actually verified (measured step and
-verify — a verify waits for its swap, so where every round swaps even the first round's is one — and
-the acceptance rate):
+measured rate and the rate the cost model gives at a block size actually verified (the measured
+step and verify, none beside the swap, and the acceptance rate):
 that round is one sample of acceptance, and its rejections (8k / batch 8, every row of one run:
 under 10 tok/s, against ~11.5 in the later rounds) had run all four trial rounds. From then on the
 measured tokens/s of plain and drafting rounds decide (the mode in use stays unless the other
@@ -58,9 +58,9 @@ plain rounds have run ``probe_ratio`` times as long as the last drafting round t
 short run), ``close_probe`` (a quarter) of that where plain measured under ``settle_margin`` faster
 than drafting: a few slow drafting rounds (a slow phase of a shared machine: in `_s8b`'s sampled
 int8 row at 8k / batch 8, L = 4 rounds went from 0.36-0.37 s to 0.39-0.50 s) flip the mode to plain
-on a close call, and re-checked only after 16 rounds' time, plain ran 54 rounds (6.5 s of a ~12 s run);
-a probe is at most one round at worst 1 / settle_margin of plain's rate, so the quarter costs under
-5% where plain truly wins by a little. While drafting wins, a plain trial once drafting has run ``probe_ratio`` times as long
+on a close call, and re-checked only after 16 rounds' time, plain ran 52 rounds (6.3 s of a ~12 s run);
+a probe is one round at drafting's measured rate, at worst 1 / settle_margin of plain's, so the
+quarter costs under 5% where plain truly wins by a little. While drafting wins, a plain trial once drafting has run ``probe_ratio`` times as long
 as a trial takes, times ``2^k`` (at most ``max_probe_scale``) after ``k`` trials in a row that settled
 at once. Plain steps cost the same from one trial to the next; what changes is drafting's rate, and
 that is measured every round: while it stays ``settle_margin`` above plain's, a trial every ~8 s
@@ -270,7 +270,7 @@ class Horizon:
             want = 2 * drafted if all_in else math.ceil(1.5 * self._acc) + 1
             chosen = self._chosen[0]
             if drafted > chosen > 0:  # drafted on past its L while a swap was arriving: grow from the L chosen
-                want = min(want, 2 * chosen)
+                want = min(want, 2 * chosen)  # (resident; the next line decides unless a size was measured)
             if first_swap and not self._verify and chosen > 0:  # its verify unmeasured: the same L, measured
                 want = chosen
             L = L_best = max(self.l_min, min(self.max_len, want))

@@ -63,8 +63,8 @@ using vericache::vint;
 constexpr int64_t kBlock = 16;  // tokens per key block: one AVX-512 vector of scores
 constexpr int kMaxRows = 8;     // query rows per pass (more rows: several passes over the codes)
 // Blocks a source's prefetch_keys / prefetch_values asks for ahead of the one being read (the
-// codebook tiles: 2 KB of 4-bit keys; from DRAM 0.84-0.90 -> 0.74-0.78 ms for a batch-8 layer at 8k,
-// docs/benchmarks.md).
+// codebook tiles: 2 KB of 4-bit keys at head size 64; from DRAM 0.90 -> 0.78 ms for a batch-8 layer
+// at 8k, docs/benchmarks.md).
 constexpr int64_t kAhead = 4;
 // Blocks whose p v weights share one uint8 scale in the VNNI path: the scale (a horizontal max, a
 // division) and the integer sums' conversion are paid per 32 tokens, not 16.
@@ -541,8 +541,10 @@ struct CodebookCodes {
   // Block b's tiles (all dimension groups), into L1.
   void prefetch_keys(int64_t b) const { prefetch(key_tile(b, 0), D / 16 * 32 * kbits); }
   void prefetch_values(int64_t b) const { prefetch(value_tile(4 * b, 0), D / 16 * 32 * vbits); }
-  static void prefetch(const uint8_t* p, int bytes) {
-    for (int at = 0; at < bytes; at += 64) _mm_prefetch(reinterpret_cast<const char*>(p + at), _MM_HINT_T0);
+  static void prefetch(const uint8_t* p, int bytes) {  // every cache line of [p, p + bytes)
+    const uintptr_t end = reinterpret_cast<uintptr_t>(p) + bytes;
+    for (uintptr_t at = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63}; at < end; at += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_T0);
   }
 #else
   CodebookCodes(const uint8_t* kt, const uint8_t* vt, int kbits, int vbits, const int8_t* klut, const int8_t* vlut)
