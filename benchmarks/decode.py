@@ -394,15 +394,15 @@ def packed_draft(args) -> dict:
 
 
 def _row(dtype, ctx, batch, m, params, temp, ref, ref_s, out, vc_s, eng, args) -> dict:
-    n_tok = sum(len(r.tokens) for r in ref)
+    n_tok, vc_tok = sum(len(r.tokens) for r in ref), sum(len(o.tokens) for o in out)
     st = [o.stats for o in out]
     row = dict(dtype=dtype, context=ctx, batch=batch, method=m, params=params, temperature=temp,
                ratio=round(st[0].compression_ratio, 2), ratio_vs_bf16=_vs_bf16(st[0].compression_ratio, dtype),
                full_tok_s=n_tok / statistics.median(ref_s),
-               vericache_tok_s=sum(len(o.tokens) for o in out) / statistics.median(vc_s),
+               vericache_tok_s=vc_tok / statistics.median(vc_s),
                # each repeat's seconds and the tokens of the last (sampled requests may stop at EOS)
                full_s=list(ref_s), vericache_s=list(vc_s), full_tokens=n_tok,
-               vericache_tokens=sum(len(o.tokens) for o in out),
+               vericache_tokens=vc_tok,
                # sampled outputs are equal in distribution, not token for token: only greedy compares
                identical=all(o.tokens == r.tokens for o, r in zip(out, ref)) if temp == 0 else None,
                tokens_per_round=statistics.mean(s.mean_accepted for s in st),

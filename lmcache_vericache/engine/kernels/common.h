@@ -33,6 +33,15 @@ constexpr int kVecRegs = kW == 16 ? 32 : 16;
 typedef float vfloat __attribute__((vector_size(4 * kW)));
 typedef int32_t vint __attribute__((vector_size(4 * kW)));
 inline vfloat load_floats(const float* p) { vfloat r; std::memcpy(&r, p, sizeof r); return r; }
+
+// Prefetch for reading, into L1, every cache line of the bytes [at, at + bytes). A prefetch never
+// faults, so the range may run past an array's end; it is an integer address (a pointer formed past
+// the end of its array would be undefined).
+inline void prefetch_bytes(uintptr_t at, int64_t bytes) {
+  const uintptr_t end = at + static_cast<uintptr_t>(bytes);
+  for (uintptr_t line = at & ~uintptr_t{63}; line < end; line += 64)
+    __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 3);
+}
 inline void store_floats(float* p, vfloat x) { std::memcpy(p, &x, sizeof x); }
 
 // 2^f on [0, 1): a degree-6 polynomial (relative error ~2e-7), for a float or a vector of them.

@@ -61,13 +61,11 @@ constexpr int kScoreVecs = kW == 16 ? 1 : 3;
 // with K alone. Arithmetic unchanged: outputs are bit for bit those without.
 constexpr int64_t kPrefetchTokens = 64;
 
-// Prefetch rows t..t+n of a [*, D] table of T, past its end too: a prefetch never faults, and the
-// address is formed as an integer (a pointer past the end of its array would be undefined).
+// Prefetch rows t..t+n of a [*, D] table of T, past its end too (vericache::prefetch_bytes).
 template <typename T, int D>
-inline void prefetch_rows(const T* __restrict__ rows, int64_t t, int64_t n) {
-  const uintptr_t at = reinterpret_cast<uintptr_t>(rows) + static_cast<uintptr_t>(t * D) * sizeof(T);
-  for (int64_t b = 0; b < n * D * static_cast<int64_t>(sizeof(T)); b += 64)
-    __builtin_prefetch(reinterpret_cast<const void*>(at + b), 0, 3);
+inline void prefetch_rows(const T* rows, int64_t t, int64_t n) {
+  vericache::prefetch_bytes(reinterpret_cast<uintptr_t>(rows) + static_cast<uintptr_t>(t * D) * sizeof(T),
+                            n * D * static_cast<int64_t>(sizeof(T)));
 }
 
 // A verify block's causal part: row i is the block's token i % n (n > 0), which sees the entries up

@@ -539,12 +539,11 @@ struct CodebookCodes {
     return _mm512_shuffle_epi8(vtable, tile_codes(value_tile(quad, c), vbits, static_cast<int>(quad & 3)));
   }
   // Block b's tiles (all dimension groups), into L1.
-  void prefetch_keys(int64_t b) const { prefetch(key_tile(b, 0), D / 16 * 32 * kbits); }
-  void prefetch_values(int64_t b) const { prefetch(value_tile(4 * b, 0), D / 16 * 32 * vbits); }
-  static void prefetch(const uint8_t* p, int bytes) {  // every cache line of [p, p + bytes)
-    const uintptr_t end = reinterpret_cast<uintptr_t>(p) + bytes;
-    for (uintptr_t at = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63}; at < end; at += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_T0);
+  void prefetch_keys(int64_t b) const {
+    vericache::prefetch_bytes(reinterpret_cast<uintptr_t>(key_tile(b, 0)), D / 16 * 32 * kbits);
+  }
+  void prefetch_values(int64_t b) const {
+    vericache::prefetch_bytes(reinterpret_cast<uintptr_t>(value_tile(4 * b, 0)), D / 16 * 32 * vbits);
   }
 #else
   CodebookCodes(const uint8_t* kt, const uint8_t* vt, int kbits, int vbits, const int8_t* klut, const int8_t* vlut)
