@@ -10,7 +10,7 @@ are the same). Single-threaded: the engine's loop calls it between forwards.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +18,7 @@ import torch
 from .. import metrics as M
 from ..backends import DualTierStore
 from ..backends.keys import KeySpace
+from .cache import poison_prefix
 from .config import EngineConfig
 from .prefill import Prefiller
 from .request import Request
@@ -75,9 +76,12 @@ class Admission:
         return Residency(full_kv, self.config.kv_budget_bytes, self.config.verify_buffers, len(batch.prompts),
                          cap * self.rt.kv_bytes_per_token(), lambda: self.rt.new_cache(cap), self.store is not None)
 
-    def admit(self, batch: Batch, running: list[Request], res: Residency) -> list[Request]:
+    def admit(self, batch: Batch, running: list[Request], res: Residency,
+              on_setup: Callable[[Request], None] | None = None) -> list[Request]:
         """Set up pending requests, in order, while the budget admits them next to ``running`` (one
-        at least when nothing runs). Requests done at set-up (one token, or EOS) are released."""
+        at least when nothing runs). Requests done at set-up (one token, or EOS) are released.
+        ``on_setup(r)`` runs right after each live request's set-up, before the next one's (the engine
+        starts its first round there: a stored prefix's swap then runs beside the later set-ups)."""
         new: list[Request] = []
         twins: dict[tuple[int, ...], tuple[Request, Tensor | None]] = {}
         while batch.pending:
@@ -92,6 +96,8 @@ class Admission:
             batch.pending.pop(0)
             res.observe(r.draft, full_bytes)
             new.append(r)
+            if on_setup is not None and not r.done:
+                on_setup(r)
         for r in new:
             if r.done:
                 r.release()
@@ -107,13 +113,18 @@ class Admission:
         # 190 MB, 0.1-0.25 s to fault in, a cost of admitting the request, not of decoding it.
         t0 = time.perf_counter()
         twin, logits = twins.get(tuple(ids), (None, None))
+        # A twin's full cache is copied only when it is whole: one whose prefix is still to be swapped
+        # in (its swap may be writing it now) gives its length and poisoned prefix instead.
+        copy_twin = twin is not None and twin.full is not None and not twin.prefix_missing  # (verkv: no full)
         if res.offload:  # the verify cache goes back to the pool below
             full = res.pool.lease()
         else:
-            full = twin.full.clone() if twin is not None and twin.full is not None else self.rt.new_cache(
-                self.config.capacity(len(ids), batch.max_new))  # (a verkv twin holds no full cache)
+            full = twin.full.clone() if copy_twin else self.rt.new_cache(self.config.capacity(len(ids), batch.max_new))
         if full is None:
             return None
+        if twin is not None and twin.prefix_missing and not res.offload:
+            full.n = twin.prefix
+            poison_prefix(full, twin.prefix)
         r = Request(i, list(ids), len(ids), batch.max_new, full, gen=torch.Generator().manual_seed(batch.seed + i),
                     t0=batch.t0)
         r.stats.prompt_tokens = len(ids)

@@ -380,6 +380,101 @@ def test_a_cached_prompts_first_round_drafts_until_its_prefix_is_in(tiny_model):
         store.close()
 
 
+
+def _record_swaps(monkeypatch) -> list:
+    """A spy on the rounds' SwapIn: the list of every swap the engine starts, in order."""
+    swaps = []
+
+    class RecordedSwapIn(engine_mod.SwapIn):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            swaps.append(self)
+
+    monkeypatch.setattr(engine_mod, "SwapIn", RecordedSwapIn)
+    return swaps
+
+
+def _slow_store(model, delay: float) -> DualTierStore:
+    """Full chunks read one at a time, ``delay`` seconds each (a slow capacity tier)."""
+    heads = Runtime(model).num_kv_heads
+    return DualTierStore(C.get(SL[0], **SL[1]), _SlowTier(1 << 30, delay), num_kv_heads=heads, max_concurrent_reads=1)
+
+
+def test_a_cached_prompts_swap_starts_right_after_its_own_set_up(tiny_model, monkeypatch):
+    """Full KV resident: each request's first round, and with it its prefix's swap, starts as soon as
+    its own set-up is done, so the swap runs beside the later requests' set-ups; tokens identical."""
+    prompts = random_prompts(3, [200, 200, 200])
+    ref = _eng(tiny_model).reference(prompts, 30)
+    store = _slow_store(tiny_model, 0.05)
+    _eng(tiny_model, store=store, full_kv="resident").generate(prompts, 1)  # puts the prompts' chunks
+    eng = _eng(tiny_model, store=store, full_kv="resident")
+    swaps, seen = _record_swaps(monkeypatch), []
+    real_setup = eng.admission.setup
+
+    def setup(batch, i, *args, **kwargs):
+        seen.append(len(swaps))  # swaps started before request i's set-up
+        return real_setup(batch, i, *args, **kwargs)
+
+    monkeypatch.setattr(eng.admission, "setup", setup)
+    out = eng.generate(prompts, 30)
+    assert seen == [0, 1, 2]  # (all three after the last set-up, before)
+    assert [o.tokens for o in out] == [r.tokens for r in ref]
+    assert all(o.stats.cached_chunks == 3 for o in out)
+    store.close()
+
+
+def test_a_twin_never_copies_a_full_cache_its_swap_is_writing(tiny_model, monkeypatch):
+    """A repeated prompt is set up as a copy of its twin, but not the twin's full cache while that
+    cache's prefix is still arriving (its swap writes it on another thread): the copy takes the
+    twin's length and poisoned prefix and swaps its own. Tokens identical to plain decoding."""
+    from lmcache_vericache.engine.cache import KVCache
+
+    prompts = random_prompts(1, [200]) * 2
+    ref = _eng(tiny_model).reference(prompts, 30)
+    store = _slow_store(tiny_model, 0.1)  # a swap of 3 chunks takes 0.3 s: the twin's set-up comes first
+    _eng(tiny_model, store=store, full_kv="resident").generate(prompts[:1], 1)
+    eng = _eng(tiny_model, store=store, full_kv="resident")
+    full_caches, cloned = set(), []  # the full caches of the requests set up so far; was each clone one?
+    real_setup, real_clone = eng.admission.setup, KVCache.clone
+
+    def setup(*args, **kwargs):
+        r = real_setup(*args, **kwargs)
+        full_caches.add(id(r.full))
+        return r
+
+    monkeypatch.setattr(eng.admission, "setup", setup)
+    monkeypatch.setattr(KVCache, "clone", lambda self: cloned.append(id(self) in full_caches) or real_clone(self))
+    out = eng.generate(prompts, 30)
+    assert [o.tokens for o in out] == [r.tokens for r in ref]
+    assert cloned and not any(cloned)  # the twin's draft cache was copied, no full cache
+    assert all(o.stats.cached_chunks == 3 and o.stats.recomputed_chunks == 0 for o in out)
+    store.close()
+
+
+def test_a_failed_set_up_stops_the_swaps_of_those_before_it(tiny_model, monkeypatch):
+    """The second request's set-up raising leaves no swap of the first running: generate stops it
+    before the error reaches the caller (injected: a set-up that fails after another has started)."""
+    prompts = random_prompts(2, [200, 200])
+    store = _slow_store(tiny_model, 0.2)  # the first request's swap takes 0.6 s
+    _eng(tiny_model, store=store, full_kv="resident").generate(prompts, 1)
+    eng = _eng(tiny_model, store=store, full_kv="resident")
+    swaps = _record_swaps(monkeypatch)
+    real_setup = eng.admission.setup
+
+    def setup(batch, i, *args, **kwargs):
+        if i == 1:
+            assert swaps and not swaps[0].done  # the first request's swap is running
+            raise RuntimeError("set-up failed")
+        return real_setup(batch, i, *args, **kwargs)
+
+    monkeypatch.setattr(eng.admission, "setup", setup)
+    with pytest.raises(RuntimeError, match="set-up failed"):
+        eng.generate(prompts, 30)
+    assert len(swaps) == 1 and swaps[0].done
+    assert store.stats.cancelled > 0  # its pending reads were dropped, not waited for
+    store.close()
+
+
 def test_drafting_on_while_a_prefix_arrives_stops_where_it_must():
     """draft_while_swapping on its own: it extends an auto round by one draft at a time while the swap
     runs, never past an EOS, never while the batch decodes plainly (L = 0: a request admitted mid-run
@@ -409,14 +504,7 @@ def test_drafting_on_while_a_prefix_arrives_stops_where_it_must():
 def test_error_mid_generate_cancels_swaps(tiny_model, monkeypatch):
     """An exception raised mid-generate (here by on_round) propagates, and generate stops every
     in-flight swap first: no swap thread keeps reading the store or writing into a cache."""
-    swaps = []
-
-    class RecordedSwapIn(engine_mod.SwapIn):  # a spy: records every swap the engine starts
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            swaps.append(self)
-
-    monkeypatch.setattr(engine_mod, "SwapIn", RecordedSwapIn)
+    swaps = _record_swaps(monkeypatch)
     heads = Runtime(tiny_model).num_kv_heads
     # 3 chunks a prompt, one read at a time, 0.2 s each: a swap takes 0.6 s, drafting milliseconds
     store = DualTierStore(C.get(SL[0], **SL[1]), _SlowTier(1 << 30, 0.2), num_kv_heads=heads, max_concurrent_reads=1)
