@@ -7,7 +7,8 @@ kv_heads*head_dim]``.
 
 :class:`SwapIn` runs one round's swap on a background thread: it asks the source for the chunks and
 copies each into the request's preallocated verify buffer as it arrives. The engine starts it when
-the round's drafting starts and waits for it just before verifying, so the copy hides behind drafting.
+the round starts (a stored prefix's first round: right after the request's set-up) and waits for it
+just before verifying, so the copy hides behind drafting (and the later requests' set-ups).
 On CUDA each chunk goes through a :class:`PinnedPool` buffer (pinned host memory reused across
 rounds: pinning per chunk costs more than the copy) and a non-blocking host-to-device copy on the
 pool's side stream; an event recorded after the last chunk is what the verify waits for (the compute
