@@ -136,7 +136,8 @@ def _unblock_values(vq: Tensor, n: int) -> Tensor:
     return vq.transpose(2, 3).reshape(h, g * 4, d)[:, :n]
 
 
-Suffix = tuple[Tensor, Tensor, int]  # exact keys, values [H, S, D] (rows contiguous) and causal block n
+# exact keys, values [H, >= S, D] (rows contiguous), causal block n and S: the entries attended, the first ones
+Suffix = tuple[Tensor, Tensor, int, int]
 
 
 def attention(jobs: list[tuple[Tensor, Int8Prefix, int]], scale: float, integer: bool = True,
@@ -147,10 +148,11 @@ def attention(jobs: list[tuple[Tensor, Int8Prefix, int]], scale: float, integer:
     with an integer path (exact up to float rounding; the integer paths round q and the weights,
     see ``kernels/int8_attention.cpp``).
 
-    ``suffixes`` (one per job): each job's exact suffix ``(k, v, n)``, float32 or bf16 ``[H, S, D]``,
-    attended in the same call and merged in: the result is then attention over prefix and suffix.
-    ``n`` is the causal block (the last ``n`` suffix entries are the rows' own tokens; row ``r`` is
-    block token ``r % n`` and sees the suffix up to itself); 0: every row sees the whole suffix."""
+    ``suffixes`` (one per job): each job's exact suffix ``(k, v, n, S)``, the first ``S`` entries of
+    float32 or bf16 ``k``/``v`` ``[H, >= S, D]`` (a draft cache's layer as it is: no slice per layer
+    and job), attended in the same call and merged in: the result is then attention over prefix and
+    suffix. ``n`` is the causal block (the last ``n`` of the ``S`` entries are the rows' own tokens;
+    row ``r`` is block token ``r % n`` and sees the suffix up to itself); 0: every row sees all ``S``."""
     return run_jobs(lambda mod, qs, picked, extra: mod.int8_attention(
         qs, *([getattr(p, part)[li] for _, p, li in picked] for part in ("kq", "ks", "vq", "vs")), scale, integer,
         **extra), jobs, suffixes)
@@ -170,7 +172,7 @@ def run_jobs(call, jobs: list, suffixes: list[Suffix] | None) -> list[tuple[Tens
     if run:
         picked = [jobs[i] for i in run]
         extra = {} if suffixes is None else dict(sk=[suffixes[i][0] for i in run], sv=[suffixes[i][1] for i in run],
-                                                 causal=[suffixes[i][2] for i in run])
+                                                 causal=[suffixes[i][2] for i in run], slen=[suffixes[i][3] for i in run])
         outs, lses = call(mod, [q.float().contiguous() for q, _, _ in picked], picked, extra)
         for i, o, lse in zip(run, outs, lses):
             res[i] = (o, lse)

@@ -160,10 +160,10 @@ def attend(q: Tensor, k: Tensor, v: Tensor, n: int, scale: float,
 CODE_PREFIXES = (Int8Prefix, CodebookPrefix)  # packed prefixes whose kernel takes the exact entries and float32 rows
 
 
-def prefix_attention(jobs: list[tuple[Tensor, object, int, Tensor, Tensor]], scale: float) -> list[Tensor]:
-    """Attention of each job ``(q [n, Hq, D], prefix, layer, k, v)`` over a draft cache's ``packed``
-    prefix and its exact entries ``k``/``v`` ``[Hkv, S, D]`` (the last ``n`` are the block's own:
-    causal), as :func:`attend` returns it (``[n, Hq*D]``; float32 for the prefixes of
+def prefix_attention(jobs: list[tuple[Tensor, object, int, Tensor, Tensor, int]], scale: float) -> list[Tensor]:
+    """Attention of each job ``(q [n, Hq, D], prefix, layer, k, v, S)`` over a draft cache's ``packed``
+    prefix and its exact entries, the first ``S`` of ``k``/``v`` ``[Hkv, >= S, D]`` (the cache's layer;
+    the last ``n`` of them are the block's own: causal), as :func:`attend` returns it (``[n, Hq*D]``; float32 for the prefixes of
     ``CODE_PREFIXES``, else ``v``'s dtype: the caller rounds once, for every job). An
     :class:`~.int8_attention.Int8Prefix` or :class:`~.codebook_attention.CodebookPrefix` takes its
     exact entries into the same kernel call (one call per layer for every job of its kind; give it
@@ -172,7 +172,7 @@ def prefix_attention(jobs: list[tuple[Tensor, object, int, Tensor, Tensor]], sca
     (n = 1) takes views only: a batch-8 draft step ran ~50 small ops per layer here."""
     res: list[Tensor | None] = [None] * len(jobs)
     rows = []
-    for q, _, _, k, _ in jobs:
+    for q, _, _, k, _, _ in jobs:
         n, hkv, d = q.shape[0], k.shape[0], k.shape[2]
         # row j*n + i: member j, token i (one token: the heads' own order)
         rows.append(q.view(hkv, -1, d) if n == 1 else q.view(n, hkv, -1, d).permute(1, 2, 0, 3).reshape(hkv, -1, d))
@@ -180,9 +180,9 @@ def prefix_attention(jobs: list[tuple[Tensor, object, int, Tensor, Tensor]], sca
         idx = [i for i, job in enumerate(jobs) if isinstance(job[1], kind)]
         if idx:
             parts = attention_of([(rows[i], jobs[i][1], jobs[i][2]) for i in idx], scale,
-                                 suffixes=[(jobs[i][3], jobs[i][4], jobs[i][0].shape[0]) for i in idx])
+                                 suffixes=[(jobs[i][3], jobs[i][4], jobs[i][0].shape[0], jobs[i][5]) for i in idx])
             for i, (out, _) in zip(idx, parts):
-                q, _, _, _, v = jobs[i]
+                q, _, _, _, v, _ = jobs[i]
                 n, hkv, d = q.shape[0], v.shape[0], v.shape[2]
                 res[i] = out.view(1, -1) if n == 1 else out.view(hkv, -1, n, d).permute(2, 0, 1, 3).reshape(n, -1)
     # Prefixes whose attention is merged with the exact entries by attend(): KVFetch's certified
@@ -192,8 +192,8 @@ def prefix_attention(jobs: list[tuple[Tensor, object, int, Tensor, Tensor]], sca
         if idx:
             parts = parts_of([(rows[i], jobs[i][1], jobs[i][2]) for i in idx], scale)
             for i, part in zip(idx, parts):
-                q, _, _, k, v = jobs[i]
-                res[i] = attend(q, k, v, q.shape[0], scale, part)
+                q, _, _, k, v, length = jobs[i]
+                res[i] = attend(q, k[:, :length], v[:, :length], q.shape[0], scale, part)
     if any(x is None for x in res):
         raise TypeError(f"no attention for prefix {next(type(j[1]) for j, x in zip(jobs, res) if x is None)}")
     return res  # type: ignore[return-value]
@@ -383,6 +383,9 @@ class Runtime:
             isinstance(p, ChunkPrefix) and p.arena is packed[0].arena for p in packed))
         batch = _Batched(segments, starts, self.num_layers, self.device) if self.batched and batchable else None
         writer = _row_writer(segments)
+        # Each cache's per-layer K/V views, made once per forward: a select per layer and segment cost
+        # more (a batch-8 draft step passes its code kernel each cache's layer whole, with its length).
+        layer_kv = [(s.cache.k.unbind(0), s.cache.v.unbind(0)) for s in segments] if batch is None else []
         for li in range(self.num_layers):
             q, k, v = m.qkv(li, m.input_norm(li, x))
             q, k = m.qk_norm(li, q, k)
@@ -400,12 +403,12 @@ class Runtime:
             # one call per kind and layer; int8 / codebook kernels take the rows as float32, converted once.
             qp = q.float() if code_rows else q
             packed = iter(prefix_attention(
-                [(qp[off:off + s.n], s.cache.packed, li, s.cache.k[li, :, :end], s.cache.v[li, :, :end])
-                 for s, off, end in zip(segments, starts, ends) if s.cache.packed is not None], self.scale)
-                if any_packed else [])
+                [(qp[off:off + s.n], s.cache.packed, li, k[li], v[li], end)
+                 for s, (k, v), off, end in zip(segments, layer_kv, starts, ends) if s.cache.packed is not None],
+                self.scale) if any_packed else [])
             outs = [next(packed) if seg.cache.packed is not None else
-                    attend(q[off:off + seg.n], seg.cache.k[li, :, :end], seg.cache.v[li, :, :end], seg.n, self.scale)
-                    for seg, off, end in zip(segments, starts, ends)]
+                    attend(q[off:off + seg.n], k[li][:, :end], v[li][:, :end], seg.n, self.scale)
+                    for seg, (k, v), off, end in zip(segments, layer_kv, starts, ends)]
             att = outs[0] if len(outs) == 1 else torch.cat(outs)
             x = x + m.o_proj(li, att.to(x.dtype))  # int8 / codebook outputs are float32: rounded here, once
             x = x + m.mlp(li, m.post_attention_norm(li, x))

@@ -105,7 +105,7 @@ def test_the_exact_suffix_is_merged_causally():
     gen = torch.Generator().manual_seed(2)
     sk, sv = (torch.randn(3, 5, 64, generator=gen).bfloat16() for _ in range(2))
     q = torch.randn(3, 6, 64, generator=gen)  # row r: block token r % 2
-    [(out, lse)] = codebook_attention.attention([(q, prefix, 0)], 0.125, integer=False, suffixes=[(sk, sv, 2)])
+    [(out, lse)] = codebook_attention.attention([(q, prefix, 0)], 0.125, integer=False, suffixes=[(sk, sv, 2, 5)])
     for r in range(6):
         seen = 5 - 2 + 1 + r % 2
         kk, vv = torch.cat([k, sk[:, :seen].float()], 1), torch.cat([v, sv[:, :seen].float()], 1)

@@ -101,12 +101,13 @@ def test_kernel_with_the_exact_suffix_equals_attention_over_the_union(t, past, n
         pk, pv = kq.double() * ks[..., None], vq.double() * vs[..., None]
     else:
         pk = pv = torch.zeros(hkv, 0, d, dtype=torch.float64)
-    # the exact entries as the runtime passes them: a view of a longer cache buffer
+    # the exact entries as the runtime passes them: a cache's layer, of which the first past + n count
+    # (the 9 after them are noise the kernel must not read)
     kbuf, vbuf = (torch.randn(hkv, past + n + 9, d, generator=gen).to(dtype) for _ in range(2))
     k, v = kbuf[:, :past + n], vbuf[:, :past + n]
     q = torch.randn(n, hkv * g, d, generator=gen) * 2
     rows = q.view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d)
-    [(out, lse)] = int8_attention.attention([(rows, prefix, 0)], 0.125, integer=integer, suffixes=[(k, v, n)])
+    [(out, lse)] = int8_attention.attention([(rows, prefix, 0)], 0.125, integer=integer, suffixes=[(kbuf, vbuf, n, past + n)])
     # row j*n + i (member j, block token i) sees the prefix and the exact entries up to its own token
     full_k, full_v = torch.cat([pk, k.double()], 1), torch.cat([pv, v.double()], 1)
     seen = t + past + 1 + torch.arange(g * n) % n
@@ -124,11 +125,15 @@ def test_kernel_refuses_a_suffix_it_cannot_read():
     with pytest.raises(ValueError, match="suffixes for"):
         int8_attention.attention([(q, prefix, 0)], 0.125, suffixes=[])
     with pytest.raises(RuntimeError, match="causal block"):  # 4 block tokens, 3 exact entries
-        int8_attention.attention([(q, prefix, 0)], 0.125, suffixes=[(k, k, 4)])
+        int8_attention.attention([(q, prefix, 0)], 0.125, suffixes=[(k, k, 4, 3)])
+    with pytest.raises(RuntimeError, match="causal block"):  # 2 block tokens, 1 entry counted of 3
+        int8_attention.attention([(q, prefix, 0)], 0.125, suffixes=[(k, k, 2, 1)])
+    with pytest.raises(RuntimeError, match="suffix length"):  # more entries than the buffer holds
+        int8_attention.attention([(q, prefix, 0)], 0.125, suffixes=[(k, k, 1, 4)])
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
-        int8_attention.attention([(q, prefix, 0)], 0.125, suffixes=[(k.half(), k.half(), 1)])
+        int8_attention.attention([(q, prefix, 0)], 0.125, suffixes=[(k.half(), k.half(), 1, 3)])
     with pytest.raises(RuntimeError, match="contiguous rows"):
-        int8_attention.attention([(q, prefix, 0)], 0.125, suffixes=[(torch.randn(hkv, d, 3).transpose(1, 2), k, 1)])
+        int8_attention.attention([(q, prefix, 0)], 0.125, suffixes=[(torch.randn(hkv, d, 3).transpose(1, 2), k, 1, 3)])
 
 
 @pytest.mark.parametrize("method", [("int8", {}), ("compose", {"evict": "streamingllm", "quant": "int8",

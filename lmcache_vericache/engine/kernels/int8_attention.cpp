@@ -438,11 +438,11 @@ void merge_suffix(const float* __restrict__ q, int64_t m, const E* __restrict__ 
   }
 }
 
-// A job's exact suffix of one head, by element type (float32 or bf16).
+// A job's exact suffix of one head (its first S entries), by element type (float32 or bf16).
 template <int D>
-void merge_suffix_head(const float* q, int64_t m, const torch::Tensor& sk, const torch::Tensor& sv, int64_t h,
-                       int64_t n, float scale, float* out, float* lse, std::vector<float>& w) {
-  const int64_t S = sk.size(1), ld = sk.stride(1);
+void merge_suffix_head(const float* q, int64_t m, const torch::Tensor& sk, const torch::Tensor& sv, int64_t S,
+                       int64_t h, int64_t n, float scale, float* out, float* lse, std::vector<float>& w) {
+  const int64_t ld = sk.stride(1);
   if (S == 0) return;
   w.resize(static_cast<size_t>(S));
   if (sk.scalar_type() == torch::kBFloat16) {
@@ -589,16 +589,21 @@ void check_jobs(const std::vector<torch::Tensor>& q, std::initializer_list<size_
 
 // What every prefix kind shares (after check_jobs): the checks of the scales and the suffixes, one
 // task per (job, head) over the threads, and the suffix merge. prefix(j, h, q, out, lse, s) attends the
-// job's head over its prefix (T > 0), with s scratch of min(m, kMaxRows) x Tp floats.
+// job's head over its prefix (T > 0), with s scratch of min(m, kMaxRows) x Tp floats. slen: the
+// entries of each suffix attended, its first ones (empty: all; a draft cache's layer is passed whole,
+// not sliced per layer and job in Python).
 template <typename Prefix>
 std::vector<std::vector<torch::Tensor>> run_jobs(const std::vector<torch::Tensor>& q, const std::vector<torch::Tensor>& ks,
                                                  const std::vector<torch::Tensor>& vs, double scale,
                                                  const std::vector<torch::Tensor>& sk, const std::vector<torch::Tensor>& sv,
-                                                 const std::vector<int64_t>& causal, Prefix&& prefix) {
+                                                 const std::vector<int64_t>& causal, const std::vector<int64_t>& slen,
+                                                 Prefix&& prefix) {
   const size_t jobs = q.size();  // the lists' lengths and q's shape: check_jobs, by the caller
   const bool suffix = !sk.empty();
   TORCH_CHECK(!suffix || (sk.size() == jobs && sv.size() == jobs && causal.size() == jobs),
               "sk, sv and causal must be given for every job or for none");
+  TORCH_CHECK(slen.empty() || (suffix && slen.size() == jobs), "slen must be given for every suffix or for none");
+  std::vector<int64_t> S(jobs, 0);
   std::vector<torch::Tensor> outs(jobs), lses(jobs);
   std::vector<std::pair<size_t, int64_t>> work;  // (job, head)
   for (size_t j = 0; j < jobs; ++j) {
@@ -612,7 +617,9 @@ std::vector<std::vector<torch::Tensor>> run_jobs(const std::vector<torch::Tensor
                   "suffix keys / values must be [H, S, D] with contiguous rows and the same strides");
       TORCH_CHECK((sk[j].scalar_type() == torch::kFloat32 || sk[j].scalar_type() == torch::kBFloat16) &&
                   sv[j].scalar_type() == sk[j].scalar_type(), "suffix keys / values must be float32 or bfloat16");
-      TORCH_CHECK(causal[j] >= 0 && causal[j] <= sk[j].size(1) && (causal[j] == 0 || m % causal[j] == 0),
+      S[j] = slen.empty() ? sk[j].size(1) : slen[j];
+      TORCH_CHECK(S[j] >= 0 && S[j] <= sk[j].size(1), "suffix length ", S[j], " outside [0, ", sk[j].size(1), "]");
+      TORCH_CHECK(causal[j] >= 0 && causal[j] <= S[j] && (causal[j] == 0 || m % causal[j] == 0),
                   "causal block n must be in [0, S] and divide the rows");
     }
     TORCH_CHECK(T > 0 || suffix, "no keys");
@@ -640,7 +647,8 @@ std::vector<std::vector<torch::Tensor>> run_jobs(const std::vector<torch::Tensor
       }
       if (suffix)
         with_head_dim(D, [&](auto dim) {
-          merge_suffix_head<decltype(dim)::value>(qh, m, sk[j], sv[j], h, causal[j], static_cast<float>(scale), oh, lh, seen_w);
+          merge_suffix_head<decltype(dim)::value>(qh, m, sk[j], sv[j], S[j], h, causal[j], static_cast<float>(scale), oh, lh,
+                                                  seen_w);
         });
     }
   });
@@ -653,7 +661,7 @@ std::vector<std::vector<torch::Tensor>> int8_attention(std::vector<torch::Tensor
                                                        std::vector<torch::Tensor> ks, std::vector<torch::Tensor> vq,
                                                        std::vector<torch::Tensor> vs, double scale, bool integer,
                                                        std::vector<torch::Tensor> sk, std::vector<torch::Tensor> sv,
-                                                       std::vector<int64_t> causal) {
+                                                       std::vector<int64_t> causal, std::vector<int64_t> slen) {
   check_jobs(q, {kq.size(), ks.size(), vq.size(), vs.size()});
   for (size_t j = 0; j < q.size(); ++j) {
     TORCH_CHECK(ks[j].dim() == 2, "scales must be [H, T]");
@@ -666,7 +674,7 @@ std::vector<std::vector<torch::Tensor>> int8_attention(std::vector<torch::Tensor
                 vq[j].size(3) == 4, "values must be blocked [H, 4 ceil(T/16), D, 4]");
   }
   const bool vnni = integer && (VERICACHE_VNNI || VERICACHE_MADD);
-  return run_jobs(q, ks, vs, scale, sk, sv, causal, [&](size_t j, int64_t h, const float* qh, float* oh, float* lh, float* s) {
+  return run_jobs(q, ks, vs, scale, sk, sv, causal, slen, [&](size_t j, int64_t h, const float* qh, float* oh, float* lh, float* s) {
     const int64_t m = q[j].size(1), D = q[j].size(2), T = ks[j].size(1), Tp = (T + kBlock - 1) / kBlock * kBlock;
     with_head_dim(D, [&](auto dim) {
       constexpr int DIM = decltype(dim)::value;
@@ -689,7 +697,7 @@ std::vector<std::vector<torch::Tensor>> codebook_attention(std::vector<torch::Te
                                                            torch::Tensor klut, torch::Tensor vlut, torch::Tensor krot,
                                                            torch::Tensor vrot, double scale, bool integer,
                                                            std::vector<torch::Tensor> sk, std::vector<torch::Tensor> sv,
-                                                           std::vector<int64_t> causal) {
+                                                           std::vector<int64_t> causal, std::vector<int64_t> slen) {
   check_jobs(q, {kt.size(), ks.size(), vt.size(), vs.size()});
   TORCH_CHECK(kbits >= 2 && kbits <= 4 && vbits >= 2 && vbits <= 4, "codes must have 2, 3 or 4 bits");
   TORCH_CHECK(klut.dtype() == torch::kInt8 && klut.numel() == 16 && klut.is_contiguous() && vlut.dtype() == torch::kInt8 &&
@@ -708,7 +716,7 @@ std::vector<std::vector<torch::Tensor>> codebook_attention(std::vector<torch::Te
   const torch::Tensor krot_t = krot.t().contiguous();
   const float* krt = krot_t.data_ptr<float>();
   const float* vr = vrot.data_ptr<float>();
-  return run_jobs(q, ks, vs, scale, sk, sv, causal, [&](size_t j, int64_t h, const float* qh, float* oh, float* lh, float* s) {
+  return run_jobs(q, ks, vs, scale, sk, sv, causal, slen, [&](size_t j, int64_t h, const float* qh, float* oh, float* lh, float* s) {
     const int64_t m = q[j].size(1), D = q[j].size(2), T = ks[j].size(1), nb = (T + kBlock - 1) / kBlock;
     std::vector<float> qr(static_cast<size_t>(m * D)), orot(static_cast<size_t>(m * D));
     with_head_dim(D, [&](auto dim) {
@@ -792,12 +800,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_attention", &int8_attention, "attention over int8 KV codes with per-(head, token) scales",
         py::arg("q"), py::arg("kq"), py::arg("ks"), py::arg("vq"), py::arg("vs"), py::arg("scale"), py::arg("integer") = true,
         py::arg("sk") = std::vector<torch::Tensor>{}, py::arg("sv") = std::vector<torch::Tensor>{},
-        py::arg("causal") = std::vector<int64_t>{});
+        py::arg("causal") = std::vector<int64_t>{}, py::arg("slen") = std::vector<int64_t>{});
   m.def("codebook_attention", &codebook_attention, "attention over 2-4-bit codebook KV codes in tiles",
         py::arg("q"), py::arg("kt"), py::arg("ks"), py::arg("vt"), py::arg("vs"), py::arg("kbits"), py::arg("vbits"),
         py::arg("klut"), py::arg("vlut"), py::arg("krot"), py::arg("vrot"), py::arg("scale"), py::arg("integer") = true,
         py::arg("sk") = std::vector<torch::Tensor>{}, py::arg("sv") = std::vector<torch::Tensor>{},
-        py::arg("causal") = std::vector<int64_t>{});
+        py::arg("causal") = std::vector<int64_t>{}, py::arg("slen") = std::vector<int64_t>{});
   m.def("codebook_tiles", &codebook_tiles, "lay out packed codebook codes as codebook_attention's tiles",
         py::arg("pieces"), py::arg("counts"), py::arg("starts"), py::arg("H"), py::arg("D"),
         py::arg("bits"), py::arg("values"));
