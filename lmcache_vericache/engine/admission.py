@@ -4,7 +4,9 @@ A ``generate()`` call is a :class:`Batch`. Requests are set up in order while th
 :class:`~.residency.Residency` admits them under ``kv_budget_bytes`` (the first always); the rest
 wait for finished ones. A request whose prompt equals one set up since the last decode step copies
 that one's caches instead of prefilling again (a *twin*: nothing decoded in between, so the caches
-are the same). Single-threaded: the engine's loop calls it between forwards.
+are the same), except a full cache whose stored prefix is still to be swapped in (its swap may be
+writing it): that one's length and poisoned prefix are taken instead. Single-threaded: the engine's
+loop calls it between forwards (a swap it starts writes only its own request's full cache).
 """
 
 from __future__ import annotations
@@ -122,7 +124,7 @@ class Admission:
             full = twin.full.clone() if copy_twin else self.rt.new_cache(self.config.capacity(len(ids), batch.max_new))
         if full is None:
             return None
-        if twin is not None and twin.prefix_missing and not res.offload:
+        if twin is not None and twin.prefix_missing and not res.offload and not (draft and self.verkv):
             full.n = twin.prefix
             poison_prefix(full, twin.prefix)
         r = Request(i, list(ids), len(ids), batch.max_new, full, gen=torch.Generator().manual_seed(batch.seed + i),

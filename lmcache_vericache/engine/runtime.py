@@ -403,12 +403,12 @@ class Runtime:
             # one call per kind and layer; int8 / codebook kernels take the rows as float32, converted once.
             qp = q.float() if code_rows else q
             packed = iter(prefix_attention(
-                [(qp[off:off + s.n], s.cache.packed, li, k[li], v[li], end)
-                 for s, (k, v), off, end in zip(segments, layer_kv, starts, ends) if s.cache.packed is not None],
+                [(qp[off:off + s.n], s.cache.packed, li, ck[li], cv[li], end)
+                 for s, (ck, cv), off, end in zip(segments, layer_kv, starts, ends) if s.cache.packed is not None],
                 self.scale) if any_packed else [])
             outs = [next(packed) if seg.cache.packed is not None else
-                    attend(q[off:off + seg.n], k[li][:, :end], v[li][:, :end], seg.n, self.scale)
-                    for seg, (k, v), off, end in zip(segments, layer_kv, starts, ends)]
+                    attend(q[off:off + seg.n], ck[li][:, :end], cv[li][:, :end], seg.n, self.scale)
+                    for seg, (ck, cv), off, end in zip(segments, layer_kv, starts, ends)]
             att = outs[0] if len(outs) == 1 else torch.cat(outs)
             x = x + m.o_proj(li, att.to(x.dtype))  # int8 / codebook outputs are float32: rounded here, once
             x = x + m.mlp(li, m.post_attention_norm(li, x))

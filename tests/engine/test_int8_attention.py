@@ -178,6 +178,32 @@ def test_a_bf16_draft_step_over_int8_prefixes_is_batch_invariant(tiny_model, mon
         assert r.draft.n == c.n and torch.equal(r.draft.k, c.k) and torch.equal(r.draft.v, c.v)
 
 
+@pytest.mark.parametrize("method", [("int8", {}), ("turboquant", {"k_bits": 4, "v_bits": 3})])
+def test_a_draft_step_reads_no_entry_past_its_caches_lengths(tiny_model, method):
+    """A packed draft cache's layer reaches the code kernel whole, with its length (``slen``): the
+    entries past each layer's length (rejected drafts, never-written room) are NaN here, and the
+    draft step's logits and caches are bit for bit those over a copy without them."""
+    eng = VeriCacheEngine(tiny_model, *method, chunk_size=64, store="resident")
+    if not (eng.int8_draft or eng.codebook_draft):
+        pytest.skip("this CPU has no kernel for these codes")
+    reqs = eng.setup_requests(random_prompts(3, [200, 150, 300], seed=5), 8, Sampling(), 0, draft=True)
+    clean = [r.draft.clone() for r in reqs]
+    for r in reqs:
+        c = r.draft
+        assert c.packed is not None and c.k.shape[2] > max(c.length(li) for li in range(len(c.base)))
+        for li in range(len(c.base)):  # from each layer's length on: where the step writes, and past it
+            c.k[li, :, c.length(li):] = float("nan")
+            c.v[li, :, c.length(li):] = float("nan")
+    toks, pos = torch.tensor([r.tokens[-1] for r in reqs]), torch.tensor([r.pos for r in reqs])
+    poisoned, _ = eng.rt.forward(toks, pos, [Segment(r.draft, 1) for r in reqs])
+    want, _ = eng.rt.forward(toks, pos, [Segment(c, 1) for c in clean])
+    assert not poisoned.isnan().any() and torch.equal(poisoned, want)
+    for r, c in zip(reqs, clean):
+        n = [c.length(li) for li in range(len(c.base))]
+        for li, e in enumerate(n):
+            assert torch.equal(r.draft.k[li, :, :e], c.k[li, :, :e]) and torch.equal(r.draft.v[li, :, :e], c.v[li, :, :e])
+
+
 def test_int8_draft_option(tiny_model):
     with pytest.raises(ValueError, match="stores int8 codes"):
         VeriCacheEngine(tiny_model, "streamingllm", int8_draft=True)

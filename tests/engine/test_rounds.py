@@ -380,7 +380,6 @@ def test_a_cached_prompts_first_round_drafts_until_its_prefix_is_in(tiny_model):
         store.close()
 
 
-
 def _record_swaps(monkeypatch) -> list:
     """A spy on the rounds' SwapIn: the list of every swap the engine starts, in order."""
     swaps = []

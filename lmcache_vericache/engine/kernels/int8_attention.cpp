@@ -10,9 +10,10 @@
 // scores). The codes are read once per (head, token) for all m rows: 1 byte per element instead of
 // 2 or 4.
 //
-// A job may also bring its draft cache's exact suffix, sk[j] / sv[j] [H, S, D] (float32 or bf16,
-// rows contiguous; S may be 0) with its causal block size causal[j] = n: row i (block token i % n)
-// sees the suffix's first S - n + 1 + i % n entries (n = 0: all of them). That part is attended
+// A job may also bring its draft cache's exact suffix, sk[j] / sv[j] [H, >= S, D] (float32 or bf16,
+// rows contiguous) of which the first S = slen[j] entries count (slen empty: all; S may be 0; a
+// draft cache's layer is passed whole), with its causal block size causal[j] = n: row i (block token
+// i % n) sees the suffix's first S - n + 1 + i % n entries (n = 0: all S). That part is attended
 // exactly in float and merged into out / lse here, so a draft step's attention over "prefix codes +
 // exact window" is one call per layer for the whole batch, not a kernel call and a log-sum-exp merge
 // in PyTorch per request and layer (a large share of a batched draft step). An empty prefix (T = 0)
