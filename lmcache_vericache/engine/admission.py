@@ -115,16 +115,19 @@ class Admission:
         # 190 MB, 0.1-0.25 s to fault in, a cost of admitting the request, not of decoding it.
         t0 = time.perf_counter()
         twin, logits = twins.get(tuple(ids), (None, None))
-        # A twin's full cache is copied only when it is whole: one whose prefix is still to be swapped
-        # in (its swap may be writing it now) gives its length and poisoned prefix instead.
-        copy_twin = twin is not None and twin.full is not None and not twin.prefix_missing  # (verkv: no full)
+        # A twin's full cache (none kept in offload or verkv) is copied only when it is whole: one whose
+        # prefix is still to be swapped in (its swap may be writing it now) gives its length and
+        # poisoned prefix instead.
+        held = twin.full if twin is not None else None
+        arriving = held is not None and twin.prefix_missing
         if res.offload:  # the verify cache goes back to the pool below
             full = res.pool.lease()
         else:
-            full = twin.full.clone() if copy_twin else self.rt.new_cache(self.config.capacity(len(ids), batch.max_new))
+            full = held.clone() if held is not None and not arriving else self.rt.new_cache(
+                self.config.capacity(len(ids), batch.max_new))
         if full is None:
             return None
-        if twin is not None and twin.prefix_missing and not res.offload and not (draft and self.verkv):
+        if arriving:
             full.n = twin.prefix
             poison_prefix(full, twin.prefix)
         r = Request(i, list(ids), len(ids), batch.max_new, full, gen=torch.Generator().manual_seed(batch.seed + i),

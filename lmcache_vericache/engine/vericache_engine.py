@@ -258,7 +258,7 @@ class VeriCacheEngine:
                         sampling=sampling, res=res, batch_horizon=None if stagger else horizon(), on_round=on_round,
                         swap_pool=self.swap_pool)
         reqs: list[Request] = []
-        started: list[Request] = []  # in their first round (a later set-up failing must stop their swaps)
+        started: list[Request] = []  # every request begun: the only ones a swap can run for
 
         def begin(r: Request) -> None:
             # Right after r's own set-up, not after the batch's: a stored prefix's swap then runs
@@ -293,7 +293,7 @@ class VeriCacheEngine:
                 rounds.step(drafting, verifying)
         finally:
             # Only an error leaves swaps in flight: stop them before the caller gets control back.
-            rounds.cancel(reqs + started)
+            rounds.cancel(started)  # (a set-up failing leaves begun requests out of reqs)
         return [Result(r.out, r.stats) for r in sorted(reqs, key=lambda r: r.idx)]
 
     def reference(self, prompts: Prompts, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,

@@ -364,13 +364,11 @@ def test_a_cached_prompts_first_round_drafts_until_its_prefix_is_in(tiny_model):
     """Full KV resident, auto horizon: the first round of a prompt whose prefix comes from the store
     drafts on past its L (4) while the swap runs, up to max_draft_len, since its verify waits for the
     swap anyway; a fixed L stays as set. Tokens identical to plain decoding either way."""
-    heads = Runtime(tiny_model).num_kv_heads
     prompts = random_prompts(2, [200, 193])  # 3 chunks of 64 cached: tails of 8 tokens and of 1
     ref = _eng(tiny_model).reference(prompts, 40)
     for draft_len, first in (("auto", 12), (4, 4)):
         # 3 chunks a prompt, one read at a time, 0.2 s each: the swaps take 1.2 s, drafting milliseconds
-        store = DualTierStore(C.get(SL[0], **SL[1]), _SlowTier(1 << 30, 0.2), num_kv_heads=heads,
-                              max_concurrent_reads=1)
+        store = _slow_store(tiny_model, 0.2)
         _eng(tiny_model, store=store, full_kv="resident").generate(prompts, 1)  # puts the prompts' chunks
         eng = _eng(tiny_model, store=store, full_kv="resident", draft_len=draft_len, max_draft_len=12)
         out = eng.generate(prompts, 40)
@@ -504,9 +502,8 @@ def test_error_mid_generate_cancels_swaps(tiny_model, monkeypatch):
     """An exception raised mid-generate (here by on_round) propagates, and generate stops every
     in-flight swap first: no swap thread keeps reading the store or writing into a cache."""
     swaps = _record_swaps(monkeypatch)
-    heads = Runtime(tiny_model).num_kv_heads
     # 3 chunks a prompt, one read at a time, 0.2 s each: a swap takes 0.6 s, drafting milliseconds
-    store = DualTierStore(C.get(SL[0], **SL[1]), _SlowTier(1 << 30, 0.2), num_kv_heads=heads, max_concurrent_reads=1)
+    store = _slow_store(tiny_model, 0.2)
     eng = _eng(tiny_model, store=store)
     in_flight = []
 
