@@ -9,7 +9,7 @@ vLLM's scheduler; the connector (:mod:`.vericache_connector`) turns vLLM's hooks
   written into the request's blocks through the cache's layout strategy (:mod:`.kv_layout`) and
   device IO (:mod:`.device_io`: on a GPU through a pinned pool on a load stream) from the first
   position vLLM has not computed itself (blocks before it may be shared with other requests, and
-  are never written). With a drafter that can draft (:class:`~.drafts.LoadDrafter`, the proposer
+  are never written). With a drafter that can draft (:class:`~.load_drafter.LoadDrafter`, the proposer
   attached) the compressed chunks are fetched first and a draft job starts over them. The first chunk that misses, fails its digest or has the
   wrong shape ends the load: its blocks and every later one are reported by :meth:`take_errors`,
   with the request by :meth:`take_finished`, so vLLM recomputes them. A request is reported
@@ -39,8 +39,8 @@ from ..engine.cache import kv_to_2ltd
 from ..workers import torch_serial
 from . import paged_layout as pl
 from .device_io import CpuIO, DeviceIO, Pending
-from .drafts import DraftJob, LoadDrafter
 from .kv_layout import KVLayout
+from .load_drafter import DraftJob, LoadDrafter
 
 logger = logging.getLogger("vllm." + __name__)  # shown by vLLM's log handler
 Tensor = torch.Tensor

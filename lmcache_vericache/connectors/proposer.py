@@ -5,172 +5,64 @@
 
 Each step, for every request that just sampled, it drafts up to ``k`` tokens greedily with the target
 model itself (the module vLLM hands to ``load_model``, run through this package's runtime: no second
-copy of the weights) over a *draft cache*: the request's completed prefix chunks, read from vLLM's
-paged KV (:mod:`.paged_layout`) and compressed once each with a registry compressor, plus the exact
-KV of its newest tokens. vLLM's rejection sampler then verifies the drafts against its full KV, so
-output is unchanged whatever the drafts are.
+copy of the weights) over a *draft cache*: the request's completed prefix chunks in compressed form
+plus the exact KV of its newest tokens. vLLM's rejection sampler then verifies the drafts against
+its full KV, so output is unchanged whatever the drafts are. Options: :mod:`.proposer_options`.
 
-Options (vLLM forbids extra keys in the speculative config) come from ``--additional-config
-'{"vericache_proposer": {...}}'`` or, key by key as a fallback, from ``VERICACHE_PROPOSER_<KEY>``
-environment variables (``additional_config`` wins):
+This class is a thin facade over vLLM's hooks; the work is delegated:
 
-* ``compressor`` (str, default ``"int8"``) and ``compressor_params`` (JSON object): registry method;
-* ``chunk_size`` (int, default 128): tokens compressed together, once the chunk is complete;
-* ``window`` (int, default 0): newest tokens always kept exact besides the open chunk;
-* ``max_draft`` (int, 1..k, default k): most tokens drafted per step;
-* ``adaptive`` (bool, default true): size each request's draft from its measured acceptance
-  (:class:`~lmcache_vericache.engine.horizon.Horizon`): drafts past the likely mismatch are pure cost;
-* ``gate`` (bool, default true): propose only where a draft step reads at most ``MAX_BYTES_RATIO`` of
-  a plain step's bytes and, measured in the run (:class:`PayGate`), beats a plain step;
-* ``draft_cache_bytes`` (int >= 0 or ``"auto"``, the default): most bytes the draft caches hold; a
-  request whose cache would pass it is not drafted that step (:mod:`.draft_budget`: "auto", and the
-  bytes taken from vLLM's KV cache on a GPU);
-* ``triton_draft`` (bool or null, the default: on CUDA where the kernels read the chunks' format):
-  keep draft prefixes as the stored chunks (int8, int4, KIVI, TurboQuant) in one arena per format,
-  attended by the Triton kernels in one call per layer for all requests (:mod:`..engine.chunk_prefix`),
-  instead of decompressed copies; ``true`` where they cannot is a start-up error naming why.
+* what a draft cache is (dense, int8 or TurboQuant codes read by the CPU kernels, stored chunks read
+  by the Triton kernels on CUDA): :class:`~..engine.draft_cache.DraftCaches`, the engine's own;
+* which row is which request, and how many tokens a step drafts (0 where drafting does not pay):
+  :mod:`.draft_states`;
+* reading the store's chunks and vLLM's paged KV into the draft caches, from vLLM's own block
+  table of the step: :mod:`.draft_sync`; the draft forwards: :mod:`.draft_loop`.
 
-With the package's KV connector (:mod:`.vericache_connector`) in the same vLLM, the proposer drafts
-over the store's compressed chunks (the connector's compressor and chunk size; ``compressor`` and
-``chunk_size`` above then apply only without a connector): chunks the store has (prompt chunks the
-connector saved or loaded) are read from its hot tier, not compressed again; the rest (generated
-tokens) are compressed here. It also drafts during a prefix load (:mod:`.drafts`): its runtime drafts
-over the store's compressed chunks while the full chunks stream in, and the first step after the load
-proposes those drafts (whatever the gate says: they were made while the request waited). Proposer and
-connector meet in the engine's :class:`~.worker_context.WorkerContext` (the proposer attaches its
-runtime to the context's drafter; the connector fills in its store when its worker side starts).
-
-Request identity: vLLM passes no request ids, and rows of ``token_ids_cpu`` move as requests come and
-go. A draft state is therefore matched to a row by content: the state's committed tokens must be a
-prefix of the row's tokens. Two requests with the same history would share KV anyway, so a match is
-always correct; a state no row matched in a step belongs to a finished (or preempted) request and is
-dropped. Block tables come from the attention metadata of the step's target forward (captured by a
-forward pre-hook on the target model): row ``i`` of it is row ``i`` of ``token_ids_cpu``.
+With the package's KV connector (:mod:`.vericache_connector`) in the same vLLM, prefix chunks come
+from its store (its compressor and chunk size; chunks it does not have are compressed here), and
+drafts made while a request's prefix was loading (:mod:`.load_drafter`) are proposed at its first
+step. Proposer and connector meet in the engine's :class:`~.worker_context.WorkerContext`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
+import sys
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
 from .. import compressors
-from ..engine.cache import KVCache, append_chunks, kv_to_2ltd
-from ..engine.chunk_prefix import ChunkPrefix
-from ..engine.horizon import Horizon
-from ..options import parse_options
-from . import paged_layout as pl
+from ..compressors import KVCompressor
+from ..engine.draft_cache import DraftCaches
 from .device_io import TorchCuda
-from .draft_budget import DraftBudget, auto_bytes, chunk_entries, device_cap, kept_counts
+from .draft_budget import DeviceHold, DraftBudget, device_cap
 from .draft_loop import greedy_drafts
-from .draft_prefixes import DraftPrefixes
+from .draft_states import DraftState, DraftStates, StepHorizon, accepted_of, may_pay, weight_bytes
+from .draft_sync import BlockTables, DraftSync
 from .kv_layout import KVLayout
 from .kv_layout import layout_for as kv_layout_for
-from .pay_gate import MAX_BYTES_RATIO, PayGate, weight_bytes
+from .proposer_options import CONFIG_KEY, ProposerOptions
 from .vllm_model import runtime_for
 from .worker_context import ChunkSource, WorkerContext
 
-logger = logging.getLogger(__name__)
-Tensor = torch.Tensor
-CONFIG_KEY = "vericache_proposer"
-ENV_PREFIX = "VERICACHE_PROPOSER_"
-
-
-@dataclass(frozen=True)
-class ProposerOptions:
-    compressor: str = "int8"
-    compressor_params: dict[str, Any] = field(default_factory=dict)
-    chunk_size: int = 128
-    window: int = 0
-    max_draft: int | None = None  # None: num_speculative_tokens
-    adaptive: bool = True
-    # Propose only while it pays (tokens per second measured with and without proposals, PayGate);
-    # false: always propose.
-    gate: bool = True
-    draft_cache_bytes: int | str = "auto"
-    triton_draft: bool | None = None
-
-    def validate(self) -> None:
-        """Raises ``ValueError`` whose message starts with the offending option's name."""
-        if self.triton_draft is not None and not isinstance(self.triton_draft, bool):
-            raise ValueError(f"triton_draft must be true, false or null (auto), got {self.triton_draft!r}")
-        b = self.draft_cache_bytes
-        if b != "auto" and not (isinstance(b, int) and b >= 0):
-            raise ValueError(f'draft_cache_bytes must be an int >= 0 or "auto", got {b!r}')
-        for name, low in (("chunk_size", 1), ("window", 0), ("max_draft", 1)):
-            value = getattr(self, name)
-            if value is not None and value < low:
-                raise ValueError(f"{name} must be >= {low}, got {value}")
-        try:
-            compressors.get(self.compressor, **self.compressor_params)
-        except (ValueError, TypeError) as e:
-            name = "compressor_params" if self.compressor in compressors.available() else "compressor"
-            raise ValueError(f"{name}: {e}") from None
-
-    @classmethod
-    def load(cls, additional_config: Mapping[str, Any] | None, env: Mapping[str, str], k: int) -> ProposerOptions:
-        """Options from ``additional_config[CONFIG_KEY]`` over ``VERICACHE_PROPOSER_*``; a bad key or
-        value raises ``ValueError`` naming it as its source spells it."""
-        given = (additional_config or {}).get(CONFIG_KEY) or {}
-        if not isinstance(given, Mapping):
-            raise ValueError(f"additional_config[{CONFIG_KEY!r}] must be a JSON object, got {given!r}")
-        from_env = {var[len(ENV_PREFIX):].lower(): _parse_env(var, raw) for var, raw in env.items()
-                    if var.startswith(ENV_PREFIX)}
-        # Each source alone first, so a mistake is named the way its source spells it.
-        parse_options(cls, from_env, where="environment", spell=lambda n: ENV_PREFIX + n.upper())
-        opts = parse_options(cls, {**from_env, **given}, where="additional_config", prefix=f"{CONFIG_KEY}.")
-        if opts.max_draft is not None and opts.max_draft > k:
-            key = f"{CONFIG_KEY}.max_draft" if "max_draft" in given else ENV_PREFIX + "MAX_DRAFT"
-            raise ValueError(f"{key}={opts.max_draft} exceeds num_speculative_tokens={k}")
-        return opts
-
-
-def _parse_env(var: str, raw: str) -> Any:
-    """An environment value: JSON where it parses (numbers, booleans, objects), else the string."""
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
-        return raw
-
-
-@dataclass
-class _State:
-    """Draft cache of one request: ``prefix`` positions compressed, then exact entries up to
-    ``len(tokens)`` (the committed tokens whose KV vLLM has computed)."""
-
-    cache: KVCache
-    tokens: np.ndarray
-    horizon: Horizon
-    prefix: int = 0
-    drafted: int = 0  # drafts proposed at the last step
-    nbytes: int = 0  # of the cache's buffers, charged to the proposer's DraftBudget
-    # How the prefix is chunked: the KV connector's store (its compressor and chunk size, chunks read
-    # from it where it has them) or this proposer's own options (chunks compressed here).
-    source: ChunkSource | None = None
+logger = logging.getLogger("vllm." + __name__)
+__all__ = ["CompressedKVProposer", "ProposerOptions"]
 
 
 @dataclass
 class ProposerStats:
     steps: int = 0
     proposed: int = 0
-    chunks: int = 0
-    compressed_bytes: int = 0
-    full_bytes: int = 0
-    sync_s: float = 0.0  # reading vLLM's paged KV and compressing
+    quiet_steps: int = 0  # steps without drafts: the horizon chose plain decoding, or the bytes bound
+    sync_s: float = 0.0  # bringing draft caches to vLLM's committed tokens (store reads, compression)
     draft_s: float = 0.0  # draft forwards
-    store_chunks: int = 0  # prefix chunks read from the KV connector's store instead of compressed here
     load_drafts: int = 0  # tokens proposed from drafts made during a prefix load
     load_accepted: list[int] = field(default_factory=list)  # of those, accepted by vLLM, per request (alpha)
-    gated_steps: int = 0  # steps the gate kept quiet
-    over_budget: int = 0  # requests not drafted in a step: their draft cache would pass draft_cache_bytes
     cache_bytes: int = 0  # bytes the draft caches hold after the last step
 
 
@@ -190,39 +82,28 @@ class CompressedKVProposer:
         self.max_draft = self.opts.max_draft or self.k
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.max_num_seqs = int(getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", 1))
-        self.budget: DraftBudget | None = None  # sized once the model's shape is known (load_model)
-        cache = getattr(vllm_config, "cache_config", None)  # vLLM's block (kernel blocks may be smaller)
-        self.block_size: int | None = int(cache.block_size) if cache is not None else None
-        self.mem_share = float(getattr(cache, "gpu_memory_utilization", 0.9) or 0.9)  # for "auto" on a GPU
-        self.context = WorkerContext.of(vllm_config)
-        self.states: list[_State] = []
-        self.stats = ProposerStats()
-        self.gate = PayGate(max_step_tokens=self.k + 1) if self.opts.gate else None
+        self.mem_share = float(getattr(getattr(vllm_config, "cache_config", None), "gpu_memory_utilization", 0.9) or 0.9)
         mc = vllm_config.model_config
         self._weight_bytes = weight_bytes(getattr(mc, "model", None), getattr(mc, "dtype", torch.float32))
+        self.context = WorkerContext.of(vllm_config)
+        self.horizon = StepHorizon(self.max_draft, self.opts.adaptive)
+        self.states = DraftStates(self._new_state, self._clone_state, self._drop_state)
+        self.stats = ProposerStats()
         self.rt = None
+        self.budget: DraftBudget | None = None  # sized once the model's shape is known (load_model)
+        self.sync: DraftSync | None = None
+        self.block_tables: Any = None  # () -> BlockTables of the step (vLLM's input batch)
         self._attn: list[torch.nn.Module] = []
         self._layout: KVLayout | None = None  # vLLM's paged KV of the layers, read on first use
-        self._block_table: Tensor | None = None
+        self._caches: dict[int, DraftCaches] = {}  # id(compressor) -> its draft caches
         self._first: list[tuple[np.ndarray, int]] = []  # load drafts proposed last step: (row, proposed)
         self._draft_stream: tuple[TorchCuda, Any] | None = None  # CUDA: (ops, the drafter's own stream)
-        self._prefixes: DraftPrefixes | None = None  # dense or chunked, per chunk source (made with rt)
 
     # -- vLLM hooks ------------------------------------------------------------------------------
     def load_model(self, target_model: torch.nn.Module) -> None:
-        self.rt = runtime_for(target_model)
-        try:
-            self.prefixes.check()
-        except ValueError as e:
-            raise ValueError(f"{CONFIG_KEY}.triton_draft: {e}") from None
-        # On CUDA the draft caches' bytes are held from here, inside vLLM's measurement of the
-        # model's memory, until the first draft cache is charged (why: DraftBudget.reserve_device).
-        self.budget = self._new_budget()
-        self.budget.reserve_device(self.rt.device)
-        # The KV connector's load window drafts with these weights, its caches charged to the budget too.
-        self.context.drafter.attach(self.rt, self.budget)
+        runner = _calling_runner(self)
+        self.attach(runtime_for(target_model), lambda: BlockTables.of_runner(runner))
         self._attn = [layer.self_attn.attn for layer in target_model.model.layers]
-        target_model.register_forward_pre_hook(self._capture)
         # vLLM's forward and the load-window drafter must not run the model at once (ModelGuard).
         # (A hook returning a value would replace the forward's inputs / output: these return None.)
         guard = self.context.guard
@@ -237,88 +118,132 @@ class CompressedKVProposer:
         target_model.compute_logits = locked_logits
         target_model._vericache_proposer = self  # reachable from LLM.apply_model (stats, tests)
 
-    @property
-    def prefixes(self) -> DraftPrefixes:
-        """How draft caches hold their prefix (:mod:`.draft_prefixes`), for the current runtime."""
-        if self._prefixes is None or self._prefixes.rt is not self.rt:
-            self._prefixes = DraftPrefixes(self.rt, self.compressor, self.opts.chunk_size, self.opts.triton_draft,
-                                           charge=lambda old, new: self.budget.grow(old, new))
-        return self._prefixes
-
-    def _new_budget(self) -> DraftBudget:
-        o, rt = self.opts, self.rt
-        if o.draft_cache_bytes != "auto":
-            return DraftBudget(o.draft_cache_bytes)
-        # A prefix kept as stored chunks costs its stored bytes: as many as that share of dense entries.
-        kept = ([math.ceil(o.chunk_size * self.prefixes.kept_ratio(None))] * rt.num_layers
-                if self.prefixes.arena(None) is not None else kept_counts(self.compressor, o.chunk_size, rt))
-        return DraftBudget(auto_bytes(self.max_num_seqs, self.max_model_len, kept, o.chunk_size,
-                                      o.chunk_size + o.window + self.max_draft, rt.kv_bytes_per_token(),
-                                      device_cap(rt.device, self.mem_share)))
-
-    def _capture(self, module: torch.nn.Module, args: Any) -> None:
-        """Keep the block table of the step's forward; ``propose`` runs after it in the same step."""
-        from vllm.forward_context import get_forward_context, is_forward_context_available
-
-        md = get_forward_context().attn_metadata if is_forward_context_available() else None
-        if isinstance(md, list):
-            md = md[0] if md else None
-        meta = md.get(self._attn[0].layer_name) if md else None
-        self._block_table = meta.block_table.clone() if meta is not None else None
+    def attach(self, rt: Any, block_tables: Any, layout: KVLayout | None = None) -> None:
+        """Draft with runtime ``rt`` over vLLM's KV (``layout``: read from the attention layers when
+        not given) at the blocks ``block_tables()`` names each step; validates the draft-cache
+        options (``ValueError`` naming the option) and sizes the budget."""
+        self.rt, self.block_tables, self._layout = rt, block_tables, layout
+        self._caches = {}
+        own = self.caches_for(None)  # the options checked now, not at the first draft
+        limit = (self.opts.draft_cache_bytes if self.opts.draft_cache_bytes != "auto" else
+                 own.auto_bytes(self.max_num_seqs, self.max_model_len, self.opts.chunk_size + self.opts.window + self.max_draft))
+        cap = device_cap(rt.device, self.mem_share)
+        limit = min(limit, cap) if cap is not None and self.opts.draft_cache_bytes == "auto" else limit
+        # On CUDA the bytes are held from here, inside vLLM's measurement of the model's memory, until
+        # the first draft cache is charged (DeviceHold.take says why).
+        hold = DeviceHold(limit)
+        hold.take(rt.device)
+        self.budget = DraftBudget(limit, on_charge=hold.release)
+        self.sync = DraftSync(rt, lambda: self.budget, self._caches_of_source, self.opts.window, self._kv_layout)
+        self.context.drafter.attach(rt, self.budget, self.caches_for_chunks)
 
     def propose(self, sampled_token_ids: list, num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray,
                 slot_mappings: Any = None, **_: Any) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in sampled_token_ids]
-        if self.rt is None or self._block_table is None:
+        if self.rt is None:
             return out
-        self.stats.steps += 1
-        self.budget = self.budget or self._new_budget()
         t0 = time.perf_counter()
+        self.stats.steps += 1
         if self._first:
             self._count_first_acceptance(num_tokens_no_spec, token_ids_cpu)
         pre = self._load_drafts(out, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) if self.context.drafter.pending() else set()
         lengths = [int(num_tokens_no_spec[i]) if len(s) else -1 for i, s in enumerate(sampled_token_ids)]
-        if self.gate is not None and not self._may_pay(lengths):
-            self.gate.pause()
-            return self._quiet(out, token_ids_cpu, lengths)
-        if self.gate is not None and not self.gate.step(lengths):
-            return self._quiet(out, token_ids_cpu, lengths)
-        claimed: list[_State] = []
-        rows: list[tuple[int, _State, np.ndarray, int]] = []  # row, state, its tokens, draft length
-        for i, sampled in enumerate(sampled_token_ids):
-            n_tok = int(num_tokens_no_spec[i])
-            n = min(self.max_draft, self.max_model_len - n_tok)
-            if len(sampled) == 0 or n <= 0 or i in pre:  # partial prefill, no room left, drafted at load
+        rows = {i: token_ids_cpu[i, :n] for i, n in enumerate(lengths) if n > 0}
+        owners = self.states.owners(list(rows.values()))
+        rounds = [(st.drafted, a) for st in owners if (a := self._accepted(st, rows)) is not None]
+        self.horizon.begin(lengths, rounds)
+        kv = sum(n for n in lengths if n > 0) * self.rt.kv_bytes_per_token()
+        L = self.horizon.L if may_pay(self._weight_bytes, kv, self.caches_for(self.context.source).read_ratio()) else 0
+        if L == 0:  # plain decoding: states kept (caught up when drafting again), finished ones dropped
+            self.states.keep(owners)
+            for st in owners:
+                st.drafted = 0
+            self.stats.quiet_steps += 1
+            self.horizon.end(0, 0.0)
+            return out
+        claimed: list[DraftState] = []
+        work: list[tuple[DraftState, int, np.ndarray, int]] = []  # state, row, its tokens, draft length
+        for i, row in rows.items():
+            n = min(L, self.max_model_len - len(row))
+            if n <= 0 or i in pre:  # no room left, or drafted during its load
                 continue
-            row = token_ids_cpu[i, :n_tok]
-            st = self._match(row, claimed)
+            st = self.states.match(row, claimed)
             claimed.append(st)
-            accepted = n_tok - len(st.tokens) - 2  # new tokens since the last step = accepted + 1
-            if st.drafted and 0 <= accepted <= st.drafted:
-                st.horizon.update(st.drafted, accepted, 0.0, 0.0)
-            rows.append((i, st, row, min(n, st.horizon.L)))
-        self._keep(claimed)  # before caches grow
-        work: list[tuple[int, _State, int, int]] = []  # row, state, last position, draft length
-        for i, st, row, n in rows:
+            work.append((st, i, row, n))
+        self.states.keep(claimed)  # before caches grow
+        for st in claimed:
             st.drafted = 0
-            if not self._sync(st, row, self._block_table[i], n):
-                self.stats.over_budget += 1
-                continue
-            st.drafted = n
-            work.append((i, st, len(row) - 1, n))
-        self.stats.cache_bytes = self.budget.held
+        done = self.sync.sync(work, self.block_tables())
+        work = [w for w, ok in zip(work, done) if ok]
         t1 = time.perf_counter()
+        drafts = greedy_drafts(self.rt, [int(row[-1]) for _, _, row, _ in work], [len(row) - 1 for _, _, row, _ in work],
+                               [st.cache for st, *_ in work], [n for *_, n in work], self.context.guard.vllm,
+                               *self._streams())
+        for (st, i, _, n), d in zip(work, drafts):
+            out[i], st.drafted = d, n
+            st.cache.n = len(st.tokens) - st.prefix  # forget the draft tokens' KV
+        t2 = time.perf_counter()
         self.stats.sync_s += t1 - t0
-        drafts = greedy_drafts(self.rt, [int(token_ids_cpu[i, pos]) for i, _, pos, _ in work],
-                               [pos for _, _, pos, _ in work], [st.cache for _, st, _, _ in work],
-                               [n for *_, n in work], self.context.guard.vllm, *self._streams())
-        for (i, *_), d in zip(work, drafts):
-            out[i] = d
-        for _, st, _, _ in work:  # forget the draft tokens' KV
-            st.cache.n = len(st.tokens) - st.prefix
-        self.stats.draft_s += time.perf_counter() - t1
+        self.stats.draft_s += t2 - t1
         self.stats.proposed += sum(len(o) for o in out)
+        self.stats.cache_bytes = self.budget.held
+        self.horizon.end(max((n for *_, n in work), default=0), t2 - t0)
         return out
+
+    # -- draft caches -----------------------------------------------------------------------------
+    def caches_for(self, source: ChunkSource | None) -> DraftCaches:
+        """The draft caches of ``source``'s chunks (the KV connector's store), else of our own options."""
+        return self._caches_of_source(source)
+
+    def caches_for_chunks(self, compressor: KVCompressor, chunk_size: int) -> DraftCaches:
+        """The draft caches of chunks of ``compressor`` (the load drafter's: a load's store chunks)."""
+        key = id(compressor)
+        if key not in self._caches:
+            o, rt = self.opts, self.rt
+            try:
+                self._caches[key] = DraftCaches.choose(rt, compressor, chunk_size, int8=o.int8_draft,
+                                                       codebook=o.codebook_draft, triton=o.triton_draft,
+                                                       charge=lambda old, new: self.budget.grow(old, new))
+            except ValueError as e:
+                if compressor is self.compressor:  # our own options: a start-up error naming the option
+                    raise ValueError(f"{CONFIG_KEY}.{e}") from None
+                logger.warning("vericache proposer: the %s chunks of the KV connector's store are drafted "
+                               "over decompressed copies: %s", compressor.name, e)
+                self._caches[key] = DraftCaches(rt, compressor, chunk_size)
+        return self._caches[key]
+
+    def _caches_of_source(self, source: ChunkSource | None) -> DraftCaches:
+        if source is None:
+            return self.caches_for_chunks(self.compressor, self.opts.chunk_size)
+        return self.caches_for_chunks(source.store.compressor, source.chunk_size)
+
+    def _new_state(self) -> DraftState:
+        source = self.context.source
+        return DraftState(self.caches_for(source).new(), np.empty(0, dtype=np.int32), source)
+
+    def _clone_state(self, st: DraftState) -> DraftState | None:
+        """A second row with one history gets its own copy (``None``: the budget refused it)."""
+        if not self.budget.grow(0, st.nbytes):
+            return None
+        return DraftState(st.cache.clone(), st.tokens.copy(), st.source, st.prefix, nbytes=st.nbytes)
+
+    def _drop_state(self, st: DraftState) -> None:
+        self.budget.give(st.nbytes)
+        st.cache.release()
+
+    @staticmethod
+    def _accepted(st: DraftState, rows: dict[int, np.ndarray]) -> int | None:
+        for row in rows.values():
+            if len(row) > len(st.tokens) and np.array_equal(row[:len(st.tokens)], st.tokens):
+                return accepted_of(st, len(row))
+        return None
+
+    def _kv_layout(self) -> KVLayout:
+        """The layout strategy of vLLM's caches (the CPU probe or the logical view: :mod:`.kv_layout`)."""
+        if self._layout is None:
+            caches = [a.kv_cache[0] if isinstance(a.kv_cache, (list, tuple)) else a.kv_cache for a in self._attn]
+            self._layout = kv_layout_for(caches, lambda: [getattr(a, "isa", None) for a in self._attn])
+        return self._layout
 
     def _streams(self) -> tuple[TorchCuda | None, Any]:
         """The drafter's own stream on CUDA (made once; :mod:`.draft_loop` says why), none elsewhere."""
@@ -327,41 +252,7 @@ class CompressedKVProposer:
             self._draft_stream = (ops, ops.new_stream())
         return self._draft_stream or (None, None)
 
-    def _quiet(self, out: list[list[int]], token_ids_cpu: np.ndarray, lengths: list[int]) -> list[list[int]]:
-        """A step without proposals: running requests' states are kept (caught up when proposing
-        again; none proposed, so the next step's growth is not their acceptance), finished ones
-        released now (the gate may stay quiet for long)."""
-        self.stats.gated_steps += 1
-        rows = [token_ids_cpu[i, :n] for i, n in enumerate(lengths) if n > 0]
-        self._keep([st for st in self.states if any(  # the last token first: a full compare only for owners
-            len(r) > len(st.tokens) and (not len(st.tokens) or r[len(st.tokens) - 1] == st.tokens[-1])
-            and np.array_equal(r[:len(st.tokens)], st.tokens) for r in rows)])
-        for st in self.states:
-            st.drafted = 0
-        return out
-
-    def _keep(self, kept: list[_State]) -> None:
-        """The states of this step's requests; the others' (finished or preempted) bytes come back."""
-        for st in self.states:
-            if not any(st is k for k in kept):
-                self.budget.give(st.nbytes)
-                if isinstance(st.cache.packed, ChunkPrefix):
-                    st.cache.packed.release()  # its arena slots (the arena's capacity stays charged)
-        self.states = kept
-
-    def _may_pay(self, lengths: list[int]) -> bool:
-        """The bytes bound: a draft step must read at most ``MAX_BYTES_RATIO`` of the bytes of a
-        plain step (weights plus every row's KV, against weights plus the bytes the draft cache
-        keeps: a quantizer's chunks decompressed keep every entry, so int8 drafting passes only
-        where they are kept as stored chunks, ``triton_draft``). Where
-        the weights dominate (short contexts, small batches) no acceptance can make drafting pay,
-        so the proposer does not even probe (building draft states alone would cost more)."""
-        if self._weight_bytes is None:
-            return True
-        ratio = self.prefixes.kept_ratio(self.context.source)
-        kv = sum(n for n in lengths if n > 0) * self.rt.kv_bytes_per_token()
-        return self._weight_bytes + ratio * kv <= MAX_BYTES_RATIO * (self._weight_bytes + kv)
-
+    # -- drafts made during a prefix load --------------------------------------------------------
     def _load_drafts(self, out: list[list[int]], sampled_token_ids: list, num_tokens_no_spec: np.ndarray,
                      token_ids_cpu: np.ndarray) -> set[int]:
         """Rows whose request just ran its first step after a prefix load drafted during it: propose
@@ -393,81 +284,23 @@ class CompressedKVProposer:
                     break
         self._first = []
 
-    # -- draft state -------------------------------------------------------------------------------
-    def _match(self, row: np.ndarray, claimed: list[_State]) -> _State:
-        best = None
-        for st in self.states:
-            m = len(st.tokens)
-            if m < len(row) and (best is None or m > len(best.tokens)) and np.array_equal(st.tokens, row[:m]):
-                best = st
-        if best is not None and any(best is c for c in claimed) and self.budget.grow(0, best.nbytes):
-            # Two rows with one history: the second gets its own copy (else a fresh state).
-            return _State(best.cache.clone(), best.tokens.copy(), self._horizon(), best.prefix,
-                          nbytes=best.nbytes, source=best.source)
-        if best is None or any(best is c for c in claimed):  # an empty cache: _sync grows it within the budget
-            source = self.context.source
-            return _State(self.prefixes.new_cache(source), row[:0].copy(), self._horizon(), source=source)
-        return best
+    def report(self) -> dict[str, Any]:
+        """Counters, the step costs the horizon measured (medians, ms) and the draft caches' kind."""
+        sync = asdict(self.sync.stats) if self.sync is not None else {}
+        kind = self.caches_for(self.context.source).kind if self.rt is not None else None
+        return {**asdict(self.stats), **sync, **self.horizon.medians_ms(), "draft_cache": kind,
+                "live_states": len(self.states.states), "horizon_L": self.horizon.L}
 
-    def _horizon(self) -> Horizon:
-        # Adaptive drafts start short and double after full acceptance: on a CPU each draft token is
-        # a forward of the served model, so a long first draft is a costly guess.
-        start = min(4, self.max_draft) if self.opts.adaptive else self.max_draft
-        return Horizon("auto" if self.opts.adaptive else self.max_draft, self.max_draft, start_len=start)
 
-    def _sync(self, st: _State, row: np.ndarray, block_ids: Tensor, n_draft: int) -> bool:
-        """Bring the draft cache to the committed tokens ``row[:-1]`` (the last one has no KV yet):
-        append newly completed chunks to its prefix (from the KV connector's store where it has them,
-        else compressed here from vLLM's cache), then copy the exact KV of the rest from vLLM's cache.
-        ``False`` (the state unchanged) where the cache would pass the budget."""
-        valid, source = len(row) - 1, st.source
-        compressor, c = self.prefixes.chunking(source)
-        upto = max(st.prefix, (valid - self.opts.window) // c * c)
-        keys = source.space.token_keys(row[:upto].tolist()) if source and upto > st.prefix else None
-        ckvs, stored = [], []
-        for s in range(st.prefix, upto, c):
-            ckv = source.store.get_compressed(keys[s // c]) if keys else None
-            stored.append(ckv is not None)
-            if ckv is None:
-                ckv = compressor.compress(kv_to_2ltd(*self._read(block_ids, s, s + c)), self.rt.num_kv_heads, start=s)
-            ckvs.append(ckv)
-        # The exact size first (prefix entries by the chunks' own count, suffix, draft room), in whole
-        # chunks; a prefix kept as stored chunks takes arena slots (charged as the arena grows).
-        chunked = isinstance(st.cache.packed, ChunkPrefix)
-        if chunked and not st.cache.packed.arena.ensure(len(ckvs)):
-            return False
-        gained = ([sum(g) for g in zip(*map(chunk_entries, ckvs))] if ckvs and not chunked
-                  else [0] * len(st.cache.base))
-        need = max(b + g for b, g in zip(st.cache.base, gained)) + valid - upto + n_draft
-        nbytes = self.budget.grow_cache(st.cache, st.nbytes, need, c)
-        if nbytes is None:
-            return False
-        st.nbytes = nbytes
-        self.stats.chunks += len(stored) - sum(stored)
-        self.stats.store_chunks += sum(stored)
-        self.stats.compressed_bytes += sum(ckv.nbytes for ckv in ckvs)
-        self.stats.full_bytes += sum(ckv.full_nbytes for ckv in ckvs)
-        if ckvs:
-            append_chunks(st.cache, ckvs, compressor)  # drops the exact suffix: copied again below
-            st.prefix = upto
-        have = st.prefix + st.cache.n
-        if have < valid:
-            k, v = self._read(block_ids, have, valid)
-            st.cache.write_suffix(st.cache.n, k, v)
-            st.cache.n = valid - st.prefix
-        st.tokens = row[:valid].copy()
-        return True
-
-    def _kv_layout(self) -> KVLayout:
-        """The layout strategy of vLLM's caches (the CPU probe or the logical view: :mod:`.kv_layout`)."""
-        if self._layout is None:
-            caches = [a.kv_cache[0] if isinstance(a.kv_cache, (list, tuple)) else a.kv_cache for a in self._attn]
-            self._layout = kv_layout_for(caches, lambda: [getattr(a, "isa", None) for a in self._attn])
-        return self._layout
-
-    def _read(self, block_ids: Tensor, start: int, stop: int) -> tuple[Tensor, Tensor]:
-        """Exact K, V of positions ``[start, stop)``: ``[layers, kv_heads, T, head_dim]`` each, on the
-        host (the compressors run there; the suffix copy moves them to the draft cache's device)."""
-        layout = self._kv_layout()
-        k, v = layout.gather(pl.slots_for(block_ids, start, stop, self.block_size or layout.layers[0].shape[2]))
-        return k.cpu(), v.cpu()
+def _calling_runner(proposer: CompressedKVProposer) -> Any:
+    """The vLLM model runner whose ``load_model`` is calling ours (its ``drafter`` is ``proposer``):
+    the proposer reads that runner's input batch (block table) each step. vLLM hands a custom
+    proposer neither, so it is found on the call stack; ``RuntimeError`` naming the way out if not."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        obj = frame.f_locals.get("self")
+        if getattr(obj, "drafter", None) is proposer and hasattr(obj, "input_batch"):
+            return obj
+        frame = frame.f_back
+    raise RuntimeError("CompressedKVProposer.load_model was not called by a vLLM model runner whose drafter it "
+                       "is (vLLM's custom_class hook, vLLM 0.32); call attach(runtime, block_tables) instead")

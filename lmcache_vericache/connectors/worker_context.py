@@ -29,7 +29,7 @@ from typing import Any
 from ..backends import StoreConfig
 from ..backends.keys import KeySpace
 from ..backends.store import DualTierStore
-from .drafts import LoadDrafter
+from .load_drafter import LoadDrafter
 from .model_guard import ModelGuard
 
 ATTR = "_vericache_worker_context"

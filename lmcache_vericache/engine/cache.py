@@ -9,24 +9,23 @@ A request has two caches of the same shape (:class:`KVCache`):
   number of entries per layer when the compressor evicts per layer), then the exact KV of the
   positions after it (the open chunk, a window, the committed suffix). :func:`append_chunks` is the
   one way a compressed prefix gets into it, for the engine and for the vLLM proposer alike. A
-  *packed* draft cache keeps an int8 or a codebook (TurboQuant) prefix as its codes instead
-  (``packed``, attended by the CPU kernel of :mod:`.int8_attention` / :mod:`.codebook_attention`), a *chunked* one its stored chunks (any format the Triton
-  kernels read, :mod:`.chunk_prefix`), and a *certified* one a PoissonComp prefix with its full
-  KV for KVFetch (:mod:`.kvfetch`); their dense buffers then hold only the exact suffix.
+  *packed* draft cache keeps its prefix in a form of its own instead (``packed``: int8 or codebook
+  codes, an arena's chunks, a KVFetch prefix; :mod:`.draft_cache` says which kind when); its dense
+  buffers then hold only the exact suffix.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..compressors import CompressedKV, KVCompressor
-from .chunk_prefix import ChunkPrefix
-from .codebook_attention import CodebookPrefix
-from .int8_attention import Int8Prefix
-from .kvfetch import CertifiedPrefix
+
+if TYPE_CHECKING:
+    from .draft_cache import DraftPrefix
 
 Tensor = torch.Tensor
 
@@ -44,7 +43,7 @@ class KVCache:
     v: Tensor
     base: list[int] = field(default_factory=list)
     n: int = 0
-    packed: Int8Prefix | CodebookPrefix | CertifiedPrefix | ChunkPrefix | None = None  # a prefix attended by its own code (base 0)
+    packed: DraftPrefix | None = None  # a prefix kept and attended in its own form (base 0; draft_cache.py)
 
     @classmethod
     def empty(cls, layers: int, heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
@@ -57,6 +56,11 @@ class KVCache:
         """An independent copy (own buffers, same base and length)."""
         return KVCache(self.k.clone(), self.v.clone(), list(self.base), self.n,
                        self.packed.clone() if self.packed is not None else None)
+
+    def release(self) -> None:
+        """Give back what the packed prefix holds outside this cache (arena slots), now."""
+        if self.packed is not None:
+            self.packed.release()
 
     @property
     def capacity(self) -> int:
@@ -142,34 +146,14 @@ def append_chunks(cache: KVCache, ckvs: Sequence[CompressedKV], compressor: KVCo
 
     The exact suffix is dropped (``n = 0``): its entries are where the prefix grows, and they are
     exact KV of positions the new chunks now cover in compressed form. The caller writes the exact
-    KV of the positions past the chunks again. A packed cache takes the chunks' int8 codes as they are
-    (codebook codes laid out in tiles), a chunked one the chunks as stored;
-    a certified (KVFetch) one takes each chunk with its full KV ``full`` (``KV_2LTD``, the full tier).
+    KV of the positions past the chunks again. A packed cache's prefix takes the chunks in its own
+    form (``DraftPrefix.extend``; a certified one with each chunk's full KV ``full``, ``KV_2LTD``).
     """
-    if isinstance(cache.packed, CertifiedPrefix):
-        if full is None or len(full) != len(ckvs):
-            raise ValueError("a KVFetch prefix needs every chunk's full KV beside its compressed copy")
-        for ckv, kv in zip(ckvs, full):
-            cache.packed.append(ckv, kv)
+    if cache.packed is not None:  # kept in its own form (engine/draft_cache.py): it appends them itself
+        cache.packed.extend(ckvs, compressor, full)
         cache.reserve(room)
         cache.n = 0
         return
-    if isinstance(cache.packed, (ChunkPrefix, CodebookPrefix)):
-        cache.packed.append(ckvs)
-        cache.reserve(room)
-        cache.n = 0
-        return
-    if cache.packed is not None:
-        packed = [compressor.int8_layers(ckv) for ckv in ckvs]
-        if all(p is not None for p in packed):
-            # One append per layer of all chunks' codes: appending chunk by chunk would re-copy the
-            # growing prefix each time (quadratic in the prefix length).
-            for li, per_chunk in enumerate(zip(*packed)):  # per layer: each chunk's (kq, ks, vq, vs)
-                cache.packed.append(li, *(torch.cat(parts, dim=1) for parts in zip(*per_chunk)))
-            cache.reserve(room)
-            cache.n = 0
-            return
-        raise ValueError(f"{compressor.name} chunks have no int8 codes: this draft cache cannot be packed")
     per_layer: list[list[tuple[Tensor, Tensor]]] = [[] for _ in cache.base]
     for ckv in ckvs:
         for li, lkv in enumerate(compressor.decompress(ckv)):

@@ -36,6 +36,7 @@ import dataclasses
 import itertools
 import weakref
 from collections.abc import Callable, Sequence
+from typing import ClassVar
 
 import torch
 
@@ -156,6 +157,10 @@ class ChunkArena:
 class ChunkPrefix:
     """One draft cache's prefix: the slots of its chunks in ``arena``, in token order."""
 
+    takes_suffix: ClassVar[bool] = False  # the DraftPrefix protocol (engine/draft_cache.py)
+    batched: ClassVar[bool] = True
+    arena_backed: ClassVar[bool] = True
+
     def __init__(self, arena: ChunkArena, slots: Sequence[int] = ()):
         self.arena, self.slots = arena, list(slots)
         self.serial = next(_serials)
@@ -176,6 +181,13 @@ class ChunkPrefix:
             self.arena.release(put)
             raise
         self.slots += put
+
+    def extend(self, ckvs: Sequence[CompressedKV], compressor: object = None, full: object = None) -> None:
+        self.append(ckvs)
+
+    @staticmethod
+    def attention(jobs: list, scale: float, suffixes: list | None = None) -> list[tuple[Tensor, Tensor]]:
+        return attention(jobs, scale)
 
     def release(self) -> None:
         """Give the slots back now (also done when the prefix is garbage-collected); the prefix is

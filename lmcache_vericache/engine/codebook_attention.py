@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -91,6 +92,9 @@ class CodebookPrefix:
     vt: list[Tensor] = field(default_factory=list)
     vs: list[Tensor] = field(default_factory=list)
     tail: list[list[tuple[Tensor, Tensor, int, int]]] = field(default_factory=list)
+    takes_suffix: ClassVar[bool] = True  # the DraftPrefix protocol (engine/draft_cache.py)
+    batched: ClassVar[bool] = False
+    arena_backed: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if not self.kt:
@@ -139,6 +143,16 @@ class CodebookPrefix:
             self.ks[li] = torch.cat([self.ks[li], knorm / cb.kscale], dim=1)
             self.vs[li] = torch.cat([self.vs[li], vnorm / cb.vscale], dim=1)
             self.tail[li] = _last_tokens(pieces, self.length(li) % BLOCK)
+
+    def extend(self, ckvs: Sequence[CompressedKV], compressor: object = None, full: object = None) -> None:
+        self.append(ckvs)
+
+    def release(self) -> None:
+        """Nothing is held outside this object (its tensors go with it)."""
+
+    @staticmethod
+    def attention(jobs: list, scale: float, suffixes: list | None = None) -> list[tuple[Tensor, Tensor]]:
+        return attention(jobs, scale, suffixes=suffixes)
 
     def length(self, layer: int) -> int:
         return self.ks[layer].shape[1]

@@ -16,10 +16,13 @@ is False and int8 drafters attend over a dequantized copy (slower, same tokens).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
+from ..compressors import CompressedKV, KVCompressor
 from . import kernels
 
 Tensor = torch.Tensor
@@ -59,6 +62,9 @@ class Int8Prefix:
     ks: list[Tensor] = field(default_factory=list)
     vq: list[Tensor] = field(default_factory=list)
     vs: list[Tensor] = field(default_factory=list)
+    takes_suffix: ClassVar[bool] = True  # the DraftPrefix protocol (engine/draft_cache.py)
+    batched: ClassVar[bool] = False
+    arena_backed: ClassVar[bool] = False
 
     @classmethod
     def empty(cls, layers: int, heads: int, head_dim: int) -> Int8Prefix:
@@ -87,6 +93,23 @@ class Int8Prefix:
         self.vq[layer] = torch.cat([self.vq[layer][:, :4 * whole], _block_values(values)], dim=1)
         self.ks[layer] = torch.cat([self.ks[layer], ks], dim=1)
         self.vs[layer] = torch.cat([self.vs[layer], vs], dim=1)
+
+    def extend(self, ckvs: Sequence[CompressedKV], compressor: KVCompressor, full: object = None) -> None:
+        """Append the chunks' int8 codes, one append per layer for all of them (chunk by chunk would
+        re-copy the growing prefix each time: quadratic in its length). ``ValueError`` (nothing
+        appended) where a chunk has no int8 codes."""
+        packed = [compressor.int8_layers(ckv) for ckv in ckvs]
+        if not all(p is not None for p in packed):
+            raise ValueError(f"{compressor.name} chunks have no int8 codes: this draft cache cannot be packed")
+        for li, per_chunk in enumerate(zip(*packed)):  # per layer: each chunk's (kq, ks, vq, vs)
+            self.append(li, *(torch.cat(parts, dim=1) for parts in zip(*per_chunk)))
+
+    def release(self) -> None:
+        """Nothing is held outside this object (its tensors go with it)."""
+
+    @staticmethod
+    def attention(jobs: list, scale: float, suffixes: list | None = None) -> list[tuple[Tensor, Tensor]]:
+        return attention(jobs, scale, suffixes=suffixes)
 
     def length(self, layer: int) -> int:
         return self.ks[layer].shape[1]

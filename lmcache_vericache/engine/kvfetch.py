@@ -21,7 +21,9 @@ drawn tokens (no per-head gather, no host sync; the counters stay on the device 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -72,6 +74,9 @@ class CertifiedPrefix:
     device: torch.device | str = "cpu"
     layers: list[_Layer | None] = field(default_factory=list)
     stats: FetchStats = field(default_factory=FetchStats)
+    takes_suffix: ClassVar[bool] = False  # the DraftPrefix protocol (engine/draft_cache.py)
+    batched: ClassVar[bool] = False
+    arena_backed: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         check_kvfetch(self.epsilon, self.delta, self.sketch_bits)
@@ -95,6 +100,21 @@ class CertifiedPrefix:
             self.layers[li] = new if old is None else _Layer(*(torch.cat([a, b], dim=1) for a, b in zip(
                 (old.r, old.drawn, old.sketch, old.full_k, old.full_v),
                 (new.r, new.drawn, new.sketch, new.full_k, new.full_v))))
+
+    def extend(self, ckvs: Sequence[CompressedKV], compressor: object = None,
+               full: Sequence[Tensor] | None = None) -> None:
+        """Add chunks with their full KV (``KV_2LTD`` each, from the full tier)."""
+        if full is None or len(full) != len(ckvs):
+            raise ValueError("a KVFetch prefix needs every chunk's full KV beside its compressed copy")
+        for ckv, kv in zip(ckvs, full):
+            self.append(ckv, kv)
+
+    def release(self) -> None:
+        """Nothing is held outside this object (its tensors go with it)."""
+
+    @staticmethod
+    def attention(jobs: list, scale: float, suffixes: list | None = None) -> list[tuple[Tensor, Tensor]]:
+        return attention(jobs, scale)
 
     def _sketch(self, keys: Tensor) -> Tensor:
         if self.sketch_bits is None:

@@ -10,18 +10,14 @@ at once and the exact prefix arrives by the first round's swap.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import torch
 
 from ..backends import DualTierStore, TierError
 from ..backends.keys import KeySpace
 from ..compressors import CompressedKV, KVCompressor
-from .cache import append_chunks, poison_prefix
-from .chunk_prefix import ChunkPrefix
-from .codebook_attention import CodebookPrefix
-from .int8_attention import Int8Prefix
-from .kvfetch import CertifiedPrefix
+from .cache import poison_prefix
+from .draft_cache import DraftCaches
 from .request import Request
 from .runtime import Runtime, Segment
 from .verify import host
@@ -36,11 +32,10 @@ class Prefiller:
     its prompt and new tokens (the longest round's drafts and n-gram guesses)."""
 
     def __init__(self, rt: Runtime, store: DualTierStore | None, compressor: KVCompressor, chunk_size: int,
-                 query_window: int, draft_room: int, key_space: KeySpace,
-                 draft_prefix: Callable[[], Int8Prefix | CodebookPrefix | ChunkPrefix] | None = None, kvfetch: dict | None = None):
+                 query_window: int, draft_room: int, key_space: KeySpace, drafts: DraftCaches):
         self.rt, self.store, self.compressor, self.key_space = rt, store, compressor, key_space
-        self.draft_prefix = draft_prefix  # an empty packed prefix for each draft cache (None: dense)
-        self.kvfetch = kvfetch  # CertifiedPrefix options: draft caches attend with KVFetch
+        self.drafts = drafts  # what a draft cache's prefix is (draft_cache.py)
+        self.kvfetch = drafts.kind == "certified"  # KVFetch draft caches take their chunks' full KV too
         self.chunk_size, self.query_window, self.draft_room = chunk_size, query_window, draft_room
 
     def setup(self, r: Request, keys: list[str], draft: bool) -> Tensor | None:
@@ -53,7 +48,7 @@ class Prefiller:
         if self.store is not None:
             cached = self.store.get_compressed_prefix(self._cacheable(r, keys))
             full = None
-            if cached and self.kvfetch is not None:  # KVFetch reads the full tier: have it now or prefill
+            if cached and self.kvfetch:  # KVFetch reads the full tier: have it now or prefill
                 full = [self.store.get_full(k) for k in keys[:len(cached)]]
                 if not all(r.full.fits_chunk(f, c) for f in full):
                     cached = []
@@ -157,7 +152,7 @@ class Prefiller:
                 r.exact_only = True
                 return
             room = r.full.n - (p + c) + r.remaining + self.draft_room
-            append_chunks(r.draft, [ckv], self.compressor, room=room, full=[kv])
+            self.drafts.append(r.draft, [ckv], room=room, full=[kv])
             r.prefix = p + c
             r.draft.write_suffix(0, *r.full.suffix(r.prefix, r.full.n))
             r.draft.n = r.full.n - r.prefix
@@ -192,15 +187,11 @@ class Prefiller:
         for ckv in ckvs:
             r.stats.compressed_bytes += ckv.nbytes
             r.stats.full_prefix_bytes += ckv.full_nbytes
-        r.draft = self.rt.new_cache(0)
-        if self.draft_prefix is not None:
-            r.draft.packed = self.draft_prefix()
-        if self.kvfetch is not None:
-            r.draft.packed = CertifiedPrefix(self.rt.num_layers, **self.kvfetch, device=self.rt.device)
+        r.draft = self.drafts.new()
+        if self.kvfetch:
             c = self.chunk_size
             full = full or [r.full.to_2ltd(i * c, (i + 1) * c) for i in range(len(ckvs))]
-        append_chunks(r.draft, ckvs, self.compressor, room=len(r.tokens) - r.prefix + r.max_new + self.draft_room,
-                      full=full)
+        self.drafts.append(r.draft, ckvs, room=len(r.tokens) - r.prefix + r.max_new + self.draft_room, full=full)
         if r.full.n > r.prefix:  # prompt computed here: its exact suffix seeds the draft cache
             r.draft.write_suffix(0, *r.full.suffix(r.prefix, r.full.n))
             r.draft.n = r.full.n - r.prefix

@@ -10,9 +10,7 @@ from typing import Any
 import torch
 
 from .cache import KVCache
-from .chunk_prefix import ChunkPrefix
 from .horizon import Horizon
-from .kvfetch import CertifiedPrefix
 from .swap import SwapIn
 from .verify import Sampling, host
 
@@ -148,8 +146,9 @@ class Request:
 
     def release(self) -> None:
         """Free the request's KV (a finished request needs none); KVFetch counters go to its stats first."""
-        if self.draft is not None and isinstance(self.draft.packed, CertifiedPrefix):
-            self.stats.kvfetch = self.draft.packed.stats.as_dict()
-        if self.draft is not None and isinstance(self.draft.packed, ChunkPrefix):
-            self.draft.packed.release()  # its arena slots, now and on this thread
+        if self.draft is not None:
+            fetch = getattr(self.draft.packed, "stats", None)  # a KVFetch prefix's counters
+            if fetch is not None:
+                self.stats.kvfetch = fetch.as_dict()
+            self.draft.release()  # arena slots, now and on this thread
         self.full = self.draft = None

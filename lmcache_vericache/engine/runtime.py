@@ -31,13 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import chunk_prefix, codebook_attention, int8_attention, kernels, kvfetch, token_ops
+from . import chunk_prefix, kernels, token_ops
 from .cache import KVCache
-from .chunk_prefix import ChunkPrefix
-from .codebook_attention import CodebookPrefix
 from .hf_model import HfModel
-from .int8_attention import Int8Prefix
-from .kvfetch import CertifiedPrefix
 from .model import DecoderModel
 
 Tensor = torch.Tensor
@@ -157,45 +153,37 @@ def attend(q: Tensor, k: Tensor, v: Tensor, n: int, scale: float,
     return out.to(v.dtype).permute(2, 0, 1, 3).reshape(n, hkv * g * d)
 
 
-CODE_PREFIXES = (Int8Prefix, CodebookPrefix)  # packed prefixes whose kernel takes the exact entries and float32 rows
-
-
 def prefix_attention(jobs: list[tuple[Tensor, object, int, Tensor, Tensor, int]], scale: float) -> list[Tensor]:
     """Attention of each job ``(q [n, Hq, D], prefix, layer, k, v, S)`` over a draft cache's ``packed``
-    prefix and its exact entries, the first ``S`` of ``k``/``v`` ``[Hkv, >= S, D]`` (the cache's layer;
-    the last ``n`` of them are the block's own: causal), as :func:`attend` returns it (``[n, Hq*D]``; float32 for the prefixes of
-    ``CODE_PREFIXES``, else ``v``'s dtype: the caller rounds once, for every job). An
-    :class:`~.int8_attention.Int8Prefix` or :class:`~.codebook_attention.CodebookPrefix` takes its
-    exact entries into the same kernel call (one call per layer for every job of its kind; give it
-    float32 ``q`` and no row is converted per job); a :class:`~.kvfetch.CertifiedPrefix` or a
-    :class:`~.chunk_prefix.ChunkPrefix` is merged with them by :func:`attend`. A decode step's job
-    (n = 1) takes views only: a batch-8 draft step ran ~50 small ops per layer here."""
+    prefix (a :class:`~.draft_cache.DraftPrefix`) and its exact entries, the first ``S`` of ``k``/``v``
+    ``[Hkv, >= S, D]`` (the cache's layer; the last ``n`` of them are the block's own: causal), as
+    :func:`attend` returns it (``[n, Hq*D]``; float32 where the prefix's kernel ``takes_suffix``,
+    else ``v``'s dtype: the caller rounds once, for every job). One call per layer for every job of
+    a kind: a kind that ``takes_suffix`` attends the exact entries in the same call (give it float32
+    ``q`` and no row is converted per job); the others' parts are merged with them by :func:`attend`.
+    A decode step's job (n = 1) takes views only: a batch-8 draft step ran ~50 small ops per layer here."""
     res: list[Tensor | None] = [None] * len(jobs)
     rows = []
     for q, _, _, k, _, _ in jobs:
         n, hkv, d = q.shape[0], k.shape[0], k.shape[2]
         # row j*n + i: member j, token i (one token: the heads' own order)
         rows.append(q.view(hkv, -1, d) if n == 1 else q.view(n, hkv, -1, d).permute(1, 2, 0, 3).reshape(hkv, -1, d))
-    for kind, attention_of in ((Int8Prefix, int8_attention.attention), (CodebookPrefix, codebook_attention.attention)):
-        idx = [i for i, job in enumerate(jobs) if isinstance(job[1], kind)]
-        if idx:
-            parts = attention_of([(rows[i], jobs[i][1], jobs[i][2]) for i in idx], scale,
-                                 suffixes=[(jobs[i][3], jobs[i][4], jobs[i][0].shape[0], jobs[i][5]) for i in idx])
+    kinds: dict[type, list[int]] = {}
+    for i, job in enumerate(jobs):
+        kinds.setdefault(type(job[1]), []).append(i)
+    for kind, idx in kinds.items():
+        picked = [(rows[i], jobs[i][1], jobs[i][2]) for i in idx]
+        if kind.takes_suffix:
+            parts = kind.attention(picked, scale, suffixes=[(jobs[i][3], jobs[i][4], jobs[i][0].shape[0], jobs[i][5])
+                                                            for i in idx])
             for i, (out, _) in zip(idx, parts):
                 q, _, _, _, v, _ = jobs[i]
                 n, hkv, d = q.shape[0], v.shape[0], v.shape[2]
                 res[i] = out.view(1, -1) if n == 1 else out.view(hkv, -1, n, d).permute(2, 0, 1, 3).reshape(n, -1)
-    # Prefixes whose attention is merged with the exact entries by attend(): KVFetch's certified
-    # one, and stored chunks read by the Triton kernels (chunk_prefix).
-    for kind, parts_of in ((CertifiedPrefix, kvfetch.attention), (ChunkPrefix, chunk_prefix.attention)):
-        idx = [i for i, job in enumerate(jobs) if isinstance(job[1], kind)]
-        if idx:
-            parts = parts_of([(rows[i], jobs[i][1], jobs[i][2]) for i in idx], scale)
-            for i, part in zip(idx, parts):
+        else:
+            for i, part in zip(idx, kind.attention(picked, scale)):
                 q, _, _, k, v, length = jobs[i]
                 res[i] = attend(q, k[:, :length], v[:, :length], q.shape[0], scale, part)
-    if any(x is None for x in res):
-        raise TypeError(f"no attention for prefix {next(type(j[1]) for j, x in zip(jobs, res) if x is None)}")
     return res  # type: ignore[return-value]
 
 
@@ -375,12 +363,12 @@ class Runtime:
         starts = [sum(s.n for s in segments[:i]) for i in range(len(segments))]
         packed = [s.cache.packed for s in segments if s.cache.packed is not None]
         any_packed = bool(packed)
-        code_rows = any_packed and all(isinstance(p, CODE_PREFIXES) for p in packed)
+        code_rows = any_packed and all(type(p).takes_suffix for p in packed)
         # Batched: dense caches, or every segment a draft cache over stored chunks of one arena (one
         # kernel call per layer). A verify segment beside draft segments (staggered rounds) keeps the
         # per-segment path: its full cache is attended exactly as plain decoding attends it.
         batchable = not packed or (len(packed) == len(segments) and all(
-            isinstance(p, ChunkPrefix) and p.arena is packed[0].arena for p in packed))
+            type(p).batched and p.arena is packed[0].arena for p in packed))
         batch = _Batched(segments, starts, self.num_layers, self.device) if self.batched and batchable else None
         writer = _row_writer(segments)
         # Each cache's per-layer K/V views, made once per forward: a select per layer and segment cost

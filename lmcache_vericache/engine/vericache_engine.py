@@ -32,14 +32,11 @@ import torch
 from .. import compressors
 from ..backends import DualTierStore, StoreConfig
 from ..backends.keys import KeySpace, model_fingerprint
-from ..compressors.formats import KVFormat, describe
-from . import int8_attention, lossy
+from . import lossy
 from .admission import Admission, Batch, Prompts
-from .chunk_prefix import ChunkArena, ChunkPrefix, kernel_format
-from .codebook_attention import Codebook, CodebookPrefix
 from .config import EngineConfig, check_device, check_stagger, decoding_options, resolve_store, store_fields
+from .draft_cache import DraftCaches
 from .horizon import DraftLen, Horizon, check_draft_len
-from .int8_attention import Int8Prefix
 from .ngram import NgramProposer
 from .prefill import Prefiller
 from .request import Request, Result
@@ -124,88 +121,17 @@ class VeriCacheEngine:
         self.key_space: KeySpace = store_config.key_space(
             model=store_config.model_id or model_fingerprint(model), dtype=self.rt.dtype, chunk_size=chunk_size)
         draft_room = max_draft_len + 2 + (ngram.num_tokens if ngram else 0)
-        # Asked for the Triton kernels: the CPU int8 kernel (auto) does not take the prefixes instead.
-        self.int8_draft = self._int8_draft(False if triton_draft and int8_draft is None else int8_draft)
-        for name, wanted in (("triton_draft", triton_draft), ("codebook_draft", codebook_draft)):
-            if wanted and kvfetch is not None:
-                raise ValueError(f"{name}: a KVFetch drafter (kvfetch_draft or mode 'verkv') attends its own prefix")
-        self.codebook = (self._codebook(False if triton_draft and codebook_draft is None else codebook_draft, chunk_size)
-                         if kvfetch is None else None)
-        self.codebook_draft = self.codebook is not None
-        triton_format = self._triton_format(triton_draft, chunk_size) if kvfetch is None else None
-        self.triton_draft = triton_format is not None
+        # What a draft prefix is (dense, int8 or codebook codes, an arena's chunks, KVFetch's): one choice.
+        self.drafts = DraftCaches.choose(self.rt, self.compressor, chunk_size, int8=int8_draft, codebook=codebook_draft,
+                                         triton=triton_draft, kvfetch=kvfetch)
+        self.int8_draft = self.drafts.kind == "int8"
+        self.codebook_draft = self.drafts.kind == "codebook"
+        self.codebook = self.drafts.codebook
+        self.triton_draft = self.drafts.kind == "chunked"
         self.prefiller = Prefiller(self.rt, self.store, self.compressor, chunk_size, query_window, draft_room,
-                                   self.key_space, self._draft_prefix(triton_format) if kvfetch is None else None,
-                                   kvfetch)
+                                   self.key_space, self.drafts)
         self.admission = Admission(self.rt, self.config, self.prefiller, self.key_space, self.store, self.eos_ids,
                                    verkv=self.mode == "verkv")
-
-    def _int8_draft(self, wanted: bool | None) -> bool:
-        """Whether draft caches keep an int8 prefix as codes (attended by the int8 kernel). Auto
-        (``None``): where the compressor stores int8 codes, on CPU, and the kernel builds."""
-        if wanted is False:
-            return False
-        if not self.compressor.stores_int8_codes or self.rt.device.type != "cpu":
-            if wanted:
-                raise ValueError(f"int8_draft needs a compressor that stores int8 codes on CPU, not "
-                                 f"{self.compressor.name} on {self.rt.device.type}")
-            return False
-        if (not int8_attention.available() or self.rt.head_dim not in int8_attention.HEAD_DIMS
-                or self.rt.dtype not in int8_attention.DTYPES):
-            if wanted:
-                raise ValueError(f"int8_draft: the int8 attention kernel could not be built (see the log) or "
-                                 f"does not take head size {self.rt.head_dim} / {self.rt.dtype} (it takes "
-                                 f"{int8_attention.HEAD_DIMS} / {int8_attention.DTYPES})")
-            return False
-        return True
-
-    def _codebook(self, wanted: bool | None, chunk_size: int) -> Codebook | None:
-        """The codebook where draft caches keep a codebook compressor's (TurboQuant's) prefix as codes,
-        attended by the CPU kernel (:mod:`~.codebook_attention`), else ``None``. Auto (``None``): on
-        a CPU with AVX512-VNNI (where the kernel decodes 64 codes per instruction sequence; elsewhere
-        its scalar decoding is slower than the dequantized copy it replaces)."""
-        if wanted is False:
-            return None
-        rt = self.rt
-        try:
-            if rt.device.type != "cpu":
-                raise ValueError(f"the codebook kernel runs on CPU, not {rt.device.type}")
-            if not int8_attention.available() or rt.dtype not in int8_attention.DTYPES:
-                raise ValueError(f"the int8 attention kernel could not be built (see the log) or does not take "
-                                 f"{rt.dtype} (it takes {int8_attention.DTYPES})")
-            codebook = Codebook.of(describe(self.compressor, rt.num_kv_heads, chunk_size, rt.head_dim, rt.dtype))
-        except ValueError as e:
-            if wanted:
-                raise ValueError(f"codebook_draft: {e}") from None
-            return None
-        return codebook if wanted or int8_attention.vnni() else None
-
-    def _triton_format(self, wanted: bool | None, chunk_size: int) -> KVFormat | None:
-        """The chunks' format where draft caches keep their prefix as stored chunks for the Triton
-        kernels, else ``None``. Auto (``wanted=None``): on CUDA, where the kernels read the
-        compressor's format (not where the CPU int8 kernel already does)."""
-        if wanted is False or (wanted is None and (self.rt.device.type != "cuda" or self.int8_draft
-                                                   or self.codebook_draft)):
-            return None
-        rt = self.rt
-        try:
-            return kernel_format(self.compressor, rt.num_kv_heads, chunk_size, rt.head_dim, rt.dtype)
-        except ValueError as e:
-            if wanted:
-                raise ValueError(f"triton_draft: {e}") from None
-            return None
-
-    def _draft_prefix(self, triton_format: KVFormat | None) -> Callable[[], Int8Prefix | CodebookPrefix | ChunkPrefix] | None:
-        """What makes a new draft cache's packed prefix (``None``: dense draft caches)."""
-        rt = self.rt
-        if self.int8_draft:
-            return lambda: Int8Prefix.empty(rt.num_layers, rt.num_kv_heads, rt.head_dim)
-        if self.codebook is not None:
-            return lambda: CodebookPrefix(self.codebook, rt.num_layers, rt.num_kv_heads)
-        if triton_format is not None:
-            arena = ChunkArena(triton_format, rt.num_layers, rt.device)  # every request's chunks, a pool per layer
-            return lambda: ChunkPrefix(arena)
-        return None
 
     def chunk_keys(self, tokens: list[int]) -> list[str]:
         """Store keys of the full chunks of ``tokens``, as every host names them."""

@@ -18,7 +18,6 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +74,7 @@ def _delta(after: dict, before: dict) -> dict:
 def proposer_stats(model) -> dict[str, Any] | None:
     """``LLM.apply_model`` helper: the proposer's counters and live draft states."""
     p = getattr(model, "_vericache_proposer", None)
-    return None if p is None else {**asdict(p.stats), "live_states": len(p.states)}
+    return None if p is None else p.report()
 
 
 def _latencies(outs: list) -> dict[str, list[float]]:

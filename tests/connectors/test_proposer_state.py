@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from lmcache_vericache.connectors import paged_layout as pl
-from lmcache_vericache.connectors.draft_budget import DraftBudget
+from lmcache_vericache.connectors.draft_budget import DeviceHold, DraftBudget
+from lmcache_vericache.connectors.draft_sync import BlockTables
 from lmcache_vericache.connectors.kv_layout import CpuBlockLayout
 from lmcache_vericache.connectors.proposer import CompressedKVProposer
 from lmcache_vericache.engine import Runtime, Segment
@@ -29,9 +30,10 @@ def tiny_model():
 
 
 class Target:
-    """The 'vLLM side': a full cache per request in the runtime, mirrored into a paged cache."""
+    """The 'vLLM side': a full cache per request in the runtime, mirrored into a paged cache
+    (``paged``: its layout strategy and the block size of the table's ids)."""
 
-    def __init__(self, rt: Runtime, blocks: list[int], prompt: list[int], paged: list[torch.Tensor]):
+    def __init__(self, rt: Runtime, blocks: list[int], prompt: list[int], paged):
         self.rt, self.blocks, self.paged = rt, torch.tensor(blocks), paged
         self.full = rt.new_cache(1024)
         self.tokens = list(prompt)
@@ -43,10 +45,8 @@ class Target:
         n = len(self.tokens) - start
         logits, _ = self.rt.forward(torch.tensor(self.tokens[start:]), torch.arange(start, start + n),
                                     [Segment(self.full, n)])
-        slots = pl.slots_for(self.blocks, start, start + n, B)
-        for li, cache in enumerate(self.paged):
-            pl.scatter(cache, pl.layout_for(cache, "vec"), slots, self.full.k[li, :, start:start + n],
-                       self.full.v[li, :, start:start + n])
+        slots = pl.slots_for(self.blocks, start, start + n, self.paged.block_size)
+        self.paged.layout.scatter(slots, self.full.k[:, :, start:start + n], self.full.v[:, :, start:start + n])
         self.tokens.append(int(logits[-1].argmax()))
 
     def greedy(self, n: int) -> list[int]:
@@ -67,54 +67,100 @@ class Target:
         self._compute(start)
 
 
-def make(tiny_model, compressor="none", max_num_seqs=4, **opts):
-    # The pay gate would keep the first steps quiet (it measures plain steps first); these tests are
-    # about the draft state, test_pay_gate.py about the gate.
-    opts = {"gate": False, **opts}
+def cpu_paged(rt):
+    """vLLM's CPU attention backend's caches (its tiles, 128-token blocks)."""
+    caches = [torch.zeros(12, rt.num_kv_heads, B, 2 * rt.head_dim) for _ in range(rt.num_layers)]
+    return SimpleNamespace(layout=CpuBlockLayout(caches, lambda: ["vec"] * len(caches)), block_size=B)
+
+
+def cuda_paged(rt, kernel_block=16, vllm_block=64):
+    """Caches as vLLM's GPU workers allocate them (``allocate_kv_cache``, here on CPU tensors) with
+    kernel blocks smaller than vLLM's block: the table's ids are kernel blocks."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    from lmcache_vericache.connectors.kv_layout import LogicalLayout
+    from lmcache_vericache.testing import paged_caches
+
+    caches = paged_caches.vllm_caches(KVCacheLayout.LBNHC, layers=rt.num_layers, heads=rt.num_kv_heads,
+                                      head_size=rt.head_dim, block_size=vllm_block, num_blocks=12,
+                                      kernel_block=kernel_block)
+    return SimpleNamespace(layout=LogicalLayout(caches), block_size=kernel_block)
+
+
+def make(tiny_model, compressor="none", max_num_seqs=4, paged=cpu_paged, **opts):
+    # The adaptive horizon would choose plain steps where drafting measures slower (test_horizon_*
+    # below); these tests are about the draft state: every step drafts max_draft tokens.
+    opts = {"adaptive": False, **opts}
     cfg = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=K),
                           model_config=SimpleNamespace(max_model_len=4096),
                           scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
                           additional_config={"vericache_proposer": {"compressor": compressor, **opts}})
     p = CompressedKVProposer(cfg)
-    p.rt = Runtime(tiny_model)
-    rt = p.rt
-    paged = [torch.zeros(12, rt.num_kv_heads, B, 2 * rt.head_dim) for _ in range(rt.num_layers)]
-    p._layout = CpuBlockLayout(paged, lambda: ["vec"] * len(paged))
+    rt = Runtime(tiny_model)
+    paged = paged(rt)
+    p.table = np.zeros((4, 8), dtype=np.int32)  # vLLM's input batch block table, as the tests set it
+    p.attach(rt, lambda: BlockTables(p.table, paged.block_size), paged.layout)
     return p, paged
+
+
+def set_table(p, blocks):
+    """The step's block table: row i holds blocks[i] (vLLM writes it before each forward)."""
+    p.table = np.zeros((max(4, len(blocks)), 64), dtype=np.int32)
+    for i, b in enumerate(blocks):
+        p.table[i, :len(b)] = b
 
 
 def call(p, targets):
     rows = np.zeros((4, 1024), dtype=np.int32)
     for i, t in enumerate(targets):
         rows[i, :len(t.tokens)] = t.tokens
-    p._block_table = torch.stack([torch.nn.functional.pad(t.blocks, (0, 8 - len(t.blocks))) for t in targets])
+    set_table(p, [t.blocks.tolist() for t in targets])
     n = np.array([len(t.tokens) for t in targets] + [0] * (4 - len(targets)), dtype=np.int32)
     return p.propose([[t.tokens[-1]] for t in targets], n, rows)
 
 
-def test_exact_drafts_and_state_kept_across_steps(tiny_model):
-    p, paged = make(tiny_model)
+@pytest.mark.parametrize("paged", [cpu_paged, cuda_paged], ids=["cpu_tiles", "cuda_kernel_blocks"])
+def test_exact_drafts_and_state_kept_across_steps(tiny_model, paged):
+    # With CUDA caches the table names 16-token kernel blocks of vLLM's 64-token blocks: slots in
+    # vLLM's block size would read 4x too far.
+    p, paged = make(tiny_model, paged=paged)
+    blocks = [5, 2, 9, 0] if paged.block_size == B else list(range(20, 40))
     g = torch.Generator().manual_seed(0)
-    t = Target(p.rt, [5, 2, 9, 0], torch.randint(0, 256, (300,), generator=g).tolist(), paged)
+    t = Target(p.rt, blocks, torch.randint(0, 256, (300,), generator=g).tolist(), paged)
     assert call(p, [t]) == [t.greedy(K)]
-    st = p.states[0]
-    assert st.prefix == 256 and p.stats.chunks == 2  # two complete 128-token chunks compressed
+    st = p.states.states[0]
+    assert st.prefix == 256 and p.sync.stats.chunks == 2  # two complete 128-token chunks compressed
     for step in range(4):
         if step:  # vLLM accepted some drafts: same state continues, drafts stay exact
             t.accept(2)
             assert call(p, [t]) == [t.greedy(K)]
-            assert p.states == [st]
+            assert p.states.states == [st]
         # The draft cache is the exact KV of every committed token read back from the paged cache.
         n = len(t.tokens) - 1
         assert st.cache.base == [256] * p.rt.num_layers and 256 + st.cache.n == n
         assert torch.equal(st.cache.k[:, :, :n], t.full.k[:, :, :n])
         assert torch.equal(st.cache.v[:, :, :n], t.full.v[:, :, :n])
-    # vLLM rejected every draft twice: the request's draft length shrinks (adaptive horizon).
-    t.accept(0)
-    call(p, [t])
-    t.accept(0)
-    out = call(p, [t])[0]
-    assert 1 <= len(out) < K and out == t.greedy(len(out))
+
+
+@pytest.mark.parametrize("paged", [cpu_paged, cuda_paged], ids=["cpu_tiles", "cuda_kernel_blocks"])
+def test_a_step_drafts_from_its_own_block_table(tiny_model, paged):
+    # vLLM moved the request (preempted and rescheduled into other blocks, its KV recomputed there)
+    # and reused its old blocks for garbage. A proposer that drafted from an earlier step's table
+    # (the forward hook that a CUDA graph replay skips) would read the garbage.
+    p, paged = make(tiny_model, paged=paged)
+    old, new = ([1, 3, 5], [6, 7, 8]) if paged.block_size == B else (list(range(0, 20)), list(range(24, 44)))
+    g = torch.Generator().manual_seed(5)
+    t = Target(p.rt, old, torch.randint(0, 256, (300,), generator=g).tolist(), paged)
+    assert call(p, [t]) == [t.greedy(K)]
+    t.blocks = torch.tensor(new)
+    n = len(t.tokens) - 1
+    slots_old = pl.slots_for(torch.tensor(old), 0, n, paged.block_size)
+    paged.layout.scatter(pl.slots_for(t.blocks, 0, n, paged.block_size), *paged.layout.gather(slots_old))
+    every = pl.slots_for(torch.tensor(old), 0, len(old) * paged.block_size, paged.block_size)
+    garbage = torch.full_like(t.full.k[:, :, :1], 1e4).expand(-1, -1, len(every), -1)
+    paged.layout.scatter(every, garbage, garbage)
+    t.accept(2)
+    assert call(p, [t]) == [t.greedy(K)]
 
 
 def test_fixed_draft_length_when_not_adaptive(tiny_model):
@@ -132,30 +178,35 @@ def test_rows_matched_by_content_partial_prefill_and_finished_requests(tiny_mode
     a = Target(p.rt, [1, 3], prompt, paged)
     b = Target(p.rt, [4, 6], torch.randint(0, 256, (150,), generator=g).tolist(), paged)
     out = call(p, [a, b])
-    assert all(0 < len(o) <= K for o in out) and len(p.states) == 2
-    sa = next(s for s in p.states if len(s.tokens) == len(a.tokens) - 1)
+    assert all(0 < len(o) <= K for o in out) and len(p.states.states) == 2
+    sa = next(s for s in p.states.states if len(s.tokens) == len(a.tokens) - 1)
     out2 = call(p, [b, a])  # rows swapped: states follow the content
-    assert len(out2[0]) == len(out2[1]) == K and any(s is sa for s in p.states)
+    assert len(out2[0]) == len(out2[1]) == K and any(s is sa for s in p.states.states)
     # A partial prefill (nothing sampled) gets no drafts; b finished: its state is dropped.
     rows = np.zeros((2, 1024), dtype=np.int32)
     rows[0, :len(a.tokens)] = a.tokens
-    p._block_table = torch.stack([torch.tensor([1, 3]), torch.tensor([0, 0])])
+    set_table(p, [[1, 3], [0, 0]])
     assert p.propose([[a.tokens[-1]], []], np.array([len(a.tokens), 64]), rows) == [out2[1], []]
-    assert p.states == [sa]
+    assert p.states.states == [sa]
 
 
-def test_bytes_bound_counts_the_entries_a_dense_draft_cache_keeps(tiny_model):
-    # int8 chunks are attended dequantized: a draft step reads every entry, so drafting can never
-    # read fewer bytes than a plain step; StreamingLLM at 25% keeps a quarter of them.
-    p, _ = make(tiny_model, compressor="int8", gate=True)
-    assert p.prefixes.kept_ratio(None) == 1.0
-    p._weight_bytes = 10 ** 6
-    kv = p.rt.kv_bytes_per_token()
-    assert not p._may_pay([10 ** 8 // kv])  # KV far above the weights, but int8 keeps it all
-    p, _ = make(tiny_model, compressor="streamingllm", compressor_params={"keep_ratio": 0.25}, gate=True)
-    assert abs(p.prefixes.kept_ratio(None) - 0.25) < 0.02
-    p._weight_bytes = 10 ** 6
-    assert p._may_pay([10 ** 8 // kv]) and not p._may_pay([10])  # KV-bound: may pay; weight-bound: not
+def test_bytes_bound_counts_what_a_draft_step_reads(tiny_model):
+    # int8 chunks attended dequantized read every entry: drafting can never read fewer bytes than a
+    # plain step. Kept as codes (the CPU kernel, the default where it builds) they read ~a quarter of
+    # fp32's bytes; StreamingLLM at 25% keeps a quarter of the entries.
+    from lmcache_vericache.connectors.draft_states import may_pay
+
+    kv = 10 ** 8
+    p, _ = make(tiny_model, compressor="int8", int8_draft=False)
+    assert p.caches_for(None).kind == "dense" and p.caches_for(None).read_ratio() == 1.0
+    assert not may_pay(10 ** 6, kv, 1.0)  # KV far above the weights, but dense int8 keeps it all
+    p, _ = make(tiny_model, compressor="int8")
+    caches = p.caches_for(None)
+    assert caches.kind == "int8" and 0.2 < caches.read_ratio() < 0.35  # 32 codes + a float32 scale per 128 bytes
+    p, _ = make(tiny_model, compressor="streamingllm", compressor_params={"keep_ratio": 0.25})
+    ratio = p.caches_for(None).read_ratio()
+    assert abs(ratio - 0.25) < 0.02
+    assert may_pay(10 ** 6, kv, ratio) and not may_pay(10 ** 6, 10, ratio)  # KV-bound: may pay; weight-bound: not
 
 
 def test_auto_budget_fits_max_num_seqs_requests_at_the_compressors_size(tiny_model):
@@ -165,22 +216,22 @@ def test_auto_budget_fits_max_num_seqs_requests_at_the_compressors_size(tiny_mod
     p, _ = make(tiny_model, compressor="streamingllm", compressor_params={"keep_ratio": 0.25}, max_num_seqs=3)
     assert p.opts.draft_cache_bytes == "auto" and p.rt.kv_bytes_per_token() == per_token
     # streamingllm keeps 32 of 128: 4096 * 32/128 = 1024 entries + 128 + 0 + 4 = 1156 -> 1280.
-    assert p._new_budget().limit == 3 * 1280 * per_token
-    p, _ = make(tiny_model, compressor="int8", window=16, max_num_seqs=2)  # a quantizer keeps every entry
-    assert p._new_budget().limit == 2 * 4352 * per_token  # 4096 + 128 + 16 + 4 = 4244 -> 4352
+    assert p.budget.limit == 3 * 1280 * per_token
+    p, _ = make(tiny_model, compressor="int8", window=16, max_num_seqs=2, int8_draft=False)  # dense: every entry
+    assert p.budget.limit == 2 * 4352 * per_token  # 4096 + 128 + 16 + 4 = 4244 -> 4352
+    p, _ = make(tiny_model, compressor="int8", window=16, max_num_seqs=2)  # codes: their stored share, plus the suffix
+    ratio = p.caches_for(None).read_ratio()
+    assert p.budget.limit == 2 * (256 + int(np.ceil(4096 * ratio))) * per_token  # 148 dense -> 256
     p, _ = make(tiny_model, draft_cache_bytes=12345)
-    assert p._new_budget().limit == 12345
+    assert p.budget.limit == 12345
 
 
 def test_auto_budget_on_a_gpu_takes_at_most_a_share_of_vllms_memory():
-    from lmcache_vericache.connectors.draft_budget import AUTO_DEVICE_SHARE, auto_bytes, device_cap
+    from lmcache_vericache.connectors.draft_budget import AUTO_DEVICE_SHARE, device_cap
 
     assert device_cap(torch.device("cpu"), 0.9) is None  # no reservation on a CPU: no cap
     cap = device_cap(torch.device("cuda"), 0.9, total=80 << 30)
     assert cap == int(AUTO_DEVICE_SHARE * 0.9 * (80 << 30))
-    need = auto_bytes(256, 8192, [128] * 30, 128, 140, 23040)  # 256 dense 8k caches: ~50 GB
-    assert need > cap and auto_bytes(256, 8192, [128] * 30, 128, 140, 23040, cap) == cap
-    assert auto_bytes(1, 1024, [128], 128, 140, 100, cap) < cap  # small needs are not raised to it
 
 
 def test_budget_admits_n_caches_refuses_the_next_and_takes_freed_bytes_back(tiny_model):
@@ -192,17 +243,17 @@ def test_budget_admits_n_caches_refuses_the_next_and_takes_freed_bytes_back(tiny
                for j in range(3))
     out = call(p, [a, b, c])
     assert out[0] == a.greedy(K) and out[1] == b.greedy(K) and out[2] == []  # c's cache would pass the budget
-    assert p.stats.over_budget == 1 and p.budget.held == p.stats.cache_bytes == 2 * cache_bytes
-    assert sorted(st.nbytes for st in p.states) == [0, cache_bytes, cache_bytes]
-    assert all(st.cache.k.nbytes + st.cache.v.nbytes == st.nbytes for st in p.states)
+    assert p.sync.stats.over_budget == 1 and p.budget.held == p.stats.cache_bytes == 2 * cache_bytes
+    assert sorted(st.nbytes for st in p.states.states) == [0, cache_bytes, cache_bytes]
+    assert all(st.cache.k.nbytes + st.cache.v.nbytes == st.nbytes for st in p.states.states)
     # a finished: its state is dropped and its bytes come back, so c is drafted now (exactly).
     out = call(p, [b, c])
-    assert out == [b.greedy(K), c.greedy(K)] and p.stats.over_budget == 1
-    assert len(p.states) == 2 and p.budget.held == p.stats.cache_bytes == 2 * cache_bytes
+    assert out == [b.greedy(K), c.greedy(K)] and p.sync.stats.over_budget == 1
+    assert len(p.states.states) == 2 and p.budget.held == p.stats.cache_bytes == 2 * cache_bytes
     # Every request gone: every byte is back.
-    p._block_table = torch.zeros(1, 8, dtype=torch.int64)
+    set_table(p, [])
     assert p.propose([[]], np.array([0]), np.zeros((1, 8), dtype=np.int32)) == [[]]
-    assert p.states == [] and p.budget.held == 0
+    assert p.states.states == [] and p.budget.held == 0
 
 
 def test_growth_counts_old_and_new_buffer_and_zero_budget_drafts_nothing(tiny_model):
@@ -214,7 +265,7 @@ def test_growth_counts_old_and_new_buffer_and_zero_budget_drafts_nothing(tiny_mo
     assert b.held == 0
     p, paged = make(tiny_model, draft_cache_bytes=0)
     t = Target(p.rt, [1, 2], list(range(10, 150)), paged)
-    assert call(p, [t]) == [[]] and call(p, [t]) == [[]] and p.stats.over_budget == 2 and p.budget.held == 0
+    assert call(p, [t]) == [[]] and call(p, [t]) == [[]] and p.sync.stats.over_budget == 2 and p.budget.held == 0
 
 
 class FakeDeviceAlloc:
@@ -231,37 +282,38 @@ class FakeDeviceAlloc:
 def test_cuda_reservation_held_until_the_first_draft_cache_is_charged(tiny_model):
     for device, limit in (("cpu", 1000), ("cuda", 0)):  # CPU: accounting only; nothing to hold
         alloc = FakeDeviceAlloc()
-        DraftBudget(limit).reserve_device(device, allocate=alloc)
+        DeviceHold(limit, allocate=alloc).take(device)
         assert alloc.calls == []
     p, paged = make(tiny_model, draft_cache_bytes=10 ** 6)
-    p.budget, alloc = p._new_budget(), FakeDeviceAlloc()
-    p.budget.reserve_device("cuda", allocate=alloc)
-    p.budget.reserve_device("cuda", allocate=alloc)  # held once
-    assert alloc.calls == [(10 ** 6, torch.uint8, torch.device("cuda"))] and p.budget.reserved == 10 ** 6
+    hold, alloc = DeviceHold(10 ** 6, allocate=FakeDeviceAlloc()), None
+    alloc = hold._allocate
+    hold.take("cuda")
+    hold.take("cuda")  # held once
+    p.budget.on_charge = hold.release
+    assert alloc.calls == [(10 ** 6, torch.uint8, torch.device("cuda"))] and hold.held == 10 ** 6
     t = Target(p.rt, [4, 5], list(range(20, 220)), paged)
     assert call(p, [t]) == [t.greedy(K)]
-    assert p.budget.reserved == 0 and p.budget.held > 0  # released for the draft caches
+    assert hold.held == 0 and p.budget.held > 0  # released for the draft caches
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_reservation_is_device_memory():
     before = torch.cuda.mem_get_info()[0]
-    b = DraftBudget(256 << 20)
-    b.reserve_device("cuda")
+    hold = DeviceHold(256 << 20)
+    hold.take("cuda")
     assert before - torch.cuda.mem_get_info()[0] >= 256 << 20
-    assert b.grow(0, 1) and b.reserved == 0
+    b = DraftBudget(256 << 20, on_charge=hold.release)
+    assert b.grow(0, 1) and hold.held == 0
 
 
 def test_quiet_steps_give_finished_requests_bytes_back(tiny_model):
-    from lmcache_vericache.connectors.pay_gate import PayGate
-
     p, paged = make(tiny_model, draft_cache_bytes=1 << 24)
     g = torch.Generator().manual_seed(4)
     a, b = (Target(p.rt, [2 * j, 2 * j + 1], torch.randint(0, 256, (200,), generator=g).tolist(), paged)
             for j in range(2))
     assert call(p, [a, b]) == [a.greedy(K), b.greedy(K)]
-    st_a = next(st for st in p.states if st.tokens[0] == a.tokens[0])
-    p.gate, p._weight_bytes = PayGate(max_step_tokens=K + 1), None  # the gate's first steps are quiet
+    st_a = next(st for st in p.states.states if st.tokens[0] == a.tokens[0])
+    p.horizon.horizon.L = 0  # the horizon chose plain decoding for this step
     a.accept(1)
     assert call(p, [a]) == [[]]  # b finished; the step is quiet
-    assert p.stats.gated_steps == 1 and p.states == [st_a] and p.budget.held == st_a.nbytes > 0
+    assert p.stats.quiet_steps == 1 and p.states.states == [st_a] and p.budget.held == st_a.nbytes > 0

@@ -130,7 +130,7 @@ def run_engine() -> dict:
             out = eng.generate(prompts, 24)
             key = "batched" if batched else "segments"
             row[key] = {"identical": [r.tokens for r in out] == ref, "accepted": sum(sum(r.stats.accepted) for r in out),
-                        "triton_draft": eng.triton_draft, "prefix": type(eng.prefiller.draft_prefix()).__name__}
+                        "triton_draft": eng.triton_draft, "prefix": type(eng.drafts.new().packed).__name__}
         res[method] = row
     return res
 
@@ -184,11 +184,11 @@ def run_proposer() -> dict:
                 a.accept(2)
                 b.accept(1)
             drafts.append(steps)
-        arena = p.prefixes.arena(None)
+        arena = p.caches_for(None).arena
         res[method] = {"same_drafts": drafts[0] == drafts[1], "drafted": sum(len(d) for s in drafts[1] for d in s),
-                       "chunked": all(isinstance(st.cache.packed, ChunkPrefix) for st in p.states),
+                       "chunked": all(isinstance(st.cache.packed, ChunkPrefix) for st in p.states.states),
                        "slots": sum(arena.refs), "held": p.budget.held,
-                       "arena_and_dense": arena.nbytes + sum(st.nbytes for st in p.states)}
+                       "arena_and_dense": arena.nbytes + sum(st.nbytes for st in p.states.states)}
     return res
 
 

@@ -28,17 +28,18 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from ..compressors import CompressedKV, KVCompressor
-from ..engine.cache import KVCache, append_chunks
+from ..engine.cache import KVCache
+from ..engine.draft_cache import DraftCaches
 from ..engine.runtime import Runtime, Segment
 from ..workers import torch_serial
-from .draft_budget import DraftBudget, chunk_entries
+from .draft_budget import DraftBudget
 from .model_guard import ModelGuard
 
 logger = logging.getLogger("vllm." + __name__)  # shown by vLLM's log handler
@@ -99,6 +100,7 @@ class LoadDrafter:
         self.guard = guard
         self._rt: Runtime | None = None
         self._budget: DraftBudget | None = None
+        self._caches: Callable[[KVCompressor, int], DraftCaches] | None = None
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._active: list[DraftJob] = []
@@ -117,10 +119,13 @@ class LoadDrafter:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
-    def attach(self, rt: Runtime | None, budget: DraftBudget | None = None) -> None:
+    def attach(self, rt: Runtime | None, budget: DraftBudget | None = None,
+               caches: Callable[[KVCompressor, int], DraftCaches] | None = None) -> None:
         """The runtime drafts run on (the proposer's, over vLLM's module); ``None`` turns drafting off.
-        ``budget``: the proposer's, which the draft caches of loads are charged to as well."""
-        self._rt, self._budget = rt, budget
+        ``budget``: the proposer's, which the draft caches of loads are charged to as well;
+        ``caches(compressor, chunk_size)``: the proposer's draft caches of those chunks (default:
+        dense ones), so a load's drafts read the bytes the proposer's do."""
+        self._rt, self._budget, self._caches = rt, budget, caches
 
     @property
     def can_draft(self) -> bool:
@@ -140,15 +145,22 @@ class LoadDrafter:
         rt, budget = self._rt, self._budget
         if rt is None or self._closed or n <= 0 or not ckvs or not 0 < len(prompt) - prefix <= MAX_TAIL:
             return None
-        entries = max(sum(g) for g in zip(*map(chunk_entries, ckvs))) + len(prompt) - prefix + n + 1
-        nbytes = entries * rt.kv_bytes_per_token() if budget is not None else 0
+        chunk = prefix // len(ckvs)
+        caches = self._caches(compressor, chunk) if self._caches is not None else DraftCaches(rt, compressor, chunk)
+        exact = len(prompt) - prefix + n + 1
+        entries = caches.need(rt.new_cache(0), ckvs, exact)
+        nbytes = caches.nbytes(entries=entries) if budget is not None else 0  # a packed prefix: trued up below
         if budget is not None and not budget.grow(0, nbytes):
             with self._lock:
                 self._stats.over_budget += 1
             return None
         try:  # a chunk this compressor cannot read, or no memory: the charge must come back
-            cache = rt.new_cache(entries)
-            append_chunks(cache, ckvs, compressor, room=len(prompt) - prefix + n + 1)
+            cache = caches.new(entries)
+            caches.append(cache, ckvs, room=exact)
+            if budget is not None:
+                held = caches.nbytes(cache)
+                budget.adjust(nbytes, held)
+                nbytes = held
         except BaseException:
             if budget is not None:
                 budget.give(nbytes)
@@ -209,6 +221,7 @@ class LoadDrafter:
             with self._work:
                 for job in [j for j in self._active if not j.active]:
                     self._active.remove(job)
+                    job.cache.release()  # arena slots, if any
                     job.cache = None  # the drafts are in job.tokens: the cache's bytes go back
                     if self._budget is not None:
                         self._budget.give(job.nbytes)
