@@ -152,8 +152,7 @@ class CompressedKVProposer:
         owners = self.states.owners(list(rows.values()))
         rounds = [(st.drafted, a) for st in owners if (a := self._accepted(st, rows)) is not None]
         self.horizon.begin(lengths, rounds)
-        kv = sum(n for n in lengths if n > 0) * self.rt.kv_bytes_per_token()
-        L = self.horizon.L if may_pay(self._weight_bytes, kv, self.caches_for(self.context.source).read_ratio()) else 0
+        L = self.horizon.L if not self.opts.adaptive or self._may_pay(lengths) else 0
         if L == 0:  # plain decoding: states kept (caught up when drafting again), finished ones dropped
             self.states.keep(owners)
             for st in owners:
@@ -189,6 +188,11 @@ class CompressedKVProposer:
         self.stats.cache_bytes = self.budget.held
         self.horizon.end(max((n for *_, n in work), default=0), t2 - t0)
         return out
+
+    def _may_pay(self, lengths: list[int]) -> bool:
+        """The bytes bound of this step's rows (:func:`~.draft_states.may_pay`)."""
+        kv = sum(n for n in lengths if n > 0) * self.rt.kv_bytes_per_token()
+        return may_pay(self._weight_bytes, kv, self.caches_for(self.context.source).read_ratio())
 
     # -- draft caches -----------------------------------------------------------------------------
     def caches_for(self, source: ChunkSource | None) -> DraftCaches:

@@ -11,7 +11,8 @@ it as its source spells it, before any model work:
 * ``window`` (int, default 0): newest tokens always kept exact besides the open chunk;
 * ``max_draft`` (int, 1..k, default k): most tokens drafted per step;
 * ``adaptive`` (bool, default true): the draft length of each step from measured costs and
-  acceptance (:mod:`.draft_states`), 0 where drafting does not pay; false: always ``max_draft``;
+  acceptance (:mod:`.draft_states`), 0 where drafting does not pay (also where its bytes bound
+  rules it out); false: always ``max_draft``;
 * ``draft_cache_bytes`` (int >= 0 or ``"auto"``, the default): most bytes the draft caches hold; a
   request whose cache would pass it is not drafted that step (:mod:`.draft_budget`);
 * ``int8_draft``, ``codebook_draft``, ``triton_draft`` (bool or null, the default: auto): how a draft

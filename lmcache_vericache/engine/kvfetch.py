@@ -112,6 +112,11 @@ class CertifiedPrefix:
     def release(self) -> None:
         """Nothing is held outside this object (its tensors go with it)."""
 
+    def length(self, layer: int) -> int:
+        """Tokens of the prefix (every token: the fetch decides per step which are read exactly)."""
+        lay = self.layers[layer]
+        return 0 if lay is None else lay.drawn.shape[1]
+
     @staticmethod
     def attention(jobs: list, scale: float, suffixes: list | None = None) -> list[tuple[Tensor, Tensor]]:
         return attention(jobs, scale)

@@ -7,7 +7,9 @@ ends with the child. Per job: the generated token ids, wall time, per-request ti
 last token, cached prompt tokens, and the change of vLLM's spec-decode counters (a job with
 ``"reset_prefix_cache": true`` starts with vLLM's prefix cache emptied); optionally the proposer's
 own stats, the VeriCache KV connector's counters (``"connector_stats": true``) and the runtime's
-logits of a probe sequence computed inside the worker (``LLM.apply_model``).
+logits of a probe sequence computed inside the worker (``LLM.apply_model``). With ``on_progress``,
+the child appends a JSON line per stage (engine started, each job done) that the parent hands to
+the callback while it waits (long benchmarks report progress per job).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,18 +31,23 @@ ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false", 
 
 
 def run_engine(spec: dict[str, Any], workdir: Path, *, env: dict[str, str] | None = None,
-               timeout: float = 600) -> dict[str, Any]:
+               timeout: float = 600, on_progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run ``spec`` (``{"llm": LLM kwargs, "jobs": [...], "probe_ids": [...]?, "stats": bool?}``) in a
-    child process. Returns its report; a failed run raises ``RuntimeError`` with the log's tail."""
+    child process. Returns its report; a failed run raises ``RuntimeError`` with the log's tail.
+    ``on_progress`` (optional) is called in this process with each stage the child reports:
+    ``{"stage": "started", "seconds": engine start}``, then ``{"stage": "job", "name", "seconds",
+    "new_tokens"}`` per job, as they happen (polled every second)."""
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path, out, log = workdir / "spec.json", workdir / "report.json", workdir / "engine.log"
-    spec_path.write_text(json.dumps({**spec, "out": str(out)}))
+    progress = workdir / "progress.jsonl"
+    progress.unlink(missing_ok=True)
+    spec_path.write_text(json.dumps({**spec, "out": str(out), **({"progress": str(progress)} if on_progress else {})}))
     out.unlink(missing_ok=True)
     with open(log, "wb") as f:
         proc = subprocess.Popen([sys.executable, "-m", __name__, str(spec_path)], stdout=f, stderr=subprocess.STDOUT,
                                 env={**os.environ, **ENGINE_ENV, **(env or {})}, start_new_session=True)
         try:
-            rc = proc.wait(timeout)
+            rc = _wait(proc, timeout, progress, on_progress)
         except subprocess.TimeoutExpired:
             rc = "timeout"
         # The engine core and workers are in the child's session: none outlives the run, whatever
@@ -53,6 +61,40 @@ def run_engine(spec: dict[str, Any], workdir: Path, *, env: dict[str, str] | Non
         causes = dict.fromkeys(ln.split("] ", 1)[-1] for ln in text.splitlines() if "Error: " in ln)
         raise RuntimeError(f"vLLM run failed ({rc}): " + " | ".join(list(causes)[:6]) + f"\nlog {log}:\n{text[-4000:]}")
     return json.loads(out.read_text())
+
+
+def _wait(proc: subprocess.Popen, timeout: float, progress: Path,
+          on_progress: Callable[[dict[str, Any]], None] | None) -> int:
+    """``proc.wait(timeout)``; meanwhile each new line of ``progress`` goes to ``on_progress``."""
+    if on_progress is None:
+        return proc.wait(timeout)
+    deadline, seen = time.monotonic() + timeout, 0
+
+    def drain() -> None:
+        nonlocal seen
+        if progress.is_file():
+            lines = progress.read_text().splitlines()
+            for ln in lines[seen:]:
+                with contextlib.suppress(ValueError):
+                    on_progress(json.loads(ln))
+            seen = len(lines)
+
+    while True:
+        try:
+            rc = proc.wait(min(1.0, max(0.0, deadline - time.monotonic())))
+            drain()
+            return rc
+        except subprocess.TimeoutExpired:
+            drain()
+            if time.monotonic() >= deadline:
+                raise
+
+
+def _report_progress(spec: dict[str, Any], **entry: Any) -> None:
+    """Append one stage's line to the spec's progress file (when the parent asked for one)."""
+    if spec.get("progress"):
+        with open(spec["progress"], "a") as f:
+            f.write(json.dumps(entry) + "\n")
 
 
 def _counters(llm) -> dict[str, float]:
@@ -100,6 +142,7 @@ def _main(spec_path: str) -> None:
     t0 = time.perf_counter()
     llm = LLM(**{"disable_log_stats": False, "gpu_memory_utilization": 0.3, **spec["llm"]})
     report: dict[str, Any] = {"start_s": time.perf_counter() - t0, "jobs": {}}
+    _report_progress(spec, stage="started", seconds=report["start_s"])
     for job in spec.get("jobs", []):
         if job.get("reset_prefix_cache"):  # the next job's prefix comes from the connector (or is recomputed)
             llm.reset_prefix_cache()
@@ -117,6 +160,7 @@ def _main(spec_path: str) -> None:
             "num_cached_tokens": [o.num_cached_tokens for o in outs],
             **_latencies(outs),
         }
+        _report_progress(spec, stage="job", name=job["name"], seconds=dt, new_tokens=report["jobs"][job["name"]]["new_tokens"])
     if spec.get("probe_ids"):
         import torch
 

@@ -50,11 +50,12 @@ def plain(setup, tmp_path_factory):
 def spec(setup, tmp_path_factory):
     sampled = {"name": "sampled", "prompts": [setup["chat"], setup["greedy"]["prompts"][1]],
                "sampling": {"temperature": 0.8, "top_p": 0.95, "seed": 1234, "max_tokens": 40}}
-    # gate off: these tests are about drafting and verification (at 1k tokens on this CPU the gate's
-    # bytes bound keeps the proposer quiet: benchmarks/vllm_e2e.py, tests/connectors/test_pay_gate.py).
+    # Not adaptive: these tests are about drafting and verification, so every step drafts k tokens
+    # (at 1k tokens on this CPU the horizon's bytes bound keeps an adaptive proposer quiet:
+    # connectors/draft_states.py; benchmarks/vllm_decode.py measures where it pays).
     llm = {**setup["llm"], "speculative_config": {"method": "custom_class", "model": PROPOSER,
                                                   "num_speculative_tokens": K},
-           "additional_config": {"vericache_proposer": {"gate": False}}}
+           "additional_config": {"vericache_proposer": {"adaptive": False}}}
     return run_engine({"llm": llm, "jobs": [setup["greedy"], setup["short"], sampled], "stats": True,
                        "probe_ids": setup["probe"]}, tmp_path_factory.mktemp("spec"))
 
@@ -76,8 +77,10 @@ def test_drafts_proposed_and_accepted(spec):
     p = spec["jobs"]["greedy"]["proposer"]
     print(f"\nmean accepted length {mean:.2f} (k={K}); per position {s.get('vllm:spec_decode_num_accepted_tokens_per_pos')}; "
           f"proposer {p}")
-    # The 1000-token prompt's 7 full 128-token chunks (and later ones) were compressed from vLLM's cache.
+    # The 1000-token prompt's 7 full 128-token chunks (and later ones) were compressed from vLLM's
+    # cache, and drafted over as int8 codes (the CPU kernel reads their stored bytes).
     assert p["chunks"] >= 7 and p["compressed_bytes"] < p["full_bytes"]
+    assert p["draft_cache"] == "int8" and p["draft_step_ms"] > 0 and p["verify_step_ms"] > 0  # step costs measured
     assert p["proposed"] <= K * p["steps"] * 2
 
 
