@@ -42,10 +42,10 @@ def test_exit_while_drafting_stops_the_drafter_thread_cleanly(tmp_path):
 
 def test_load_drafts_are_charged_to_the_proposers_budget_and_give_it_back(tiny_model):
     import torch
-    from lmcache_vericache.connectors.load_drafter import LoadDrafter
 
     from lmcache_vericache import compressors
     from lmcache_vericache.connectors.draft_budget import DraftBudget
+    from lmcache_vericache.connectors.load_drafter import LoadDrafter
     from lmcache_vericache.connectors.model_guard import ModelGuard
     from lmcache_vericache.engine import Runtime
 
@@ -78,10 +78,10 @@ def test_load_drafts_are_charged_to_the_proposers_budget_and_give_it_back(tiny_m
 def test_a_load_the_drafter_cannot_read_gives_its_charge_back(tiny_model):
     import pytest
     import torch
-    from lmcache_vericache.connectors.load_drafter import LoadDrafter
 
     from lmcache_vericache import compressors
     from lmcache_vericache.connectors.draft_budget import DraftBudget
+    from lmcache_vericache.connectors.load_drafter import LoadDrafter
     from lmcache_vericache.connectors.model_guard import ModelGuard
     from lmcache_vericache.engine import Runtime
 

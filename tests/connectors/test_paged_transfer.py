@@ -7,7 +7,6 @@ import time
 
 import pytest
 import torch
-from lmcache_vericache.connectors.load_drafter import LoadDrafter
 
 from lmcache_vericache import compressors
 from lmcache_vericache.backends.keys import KeySpace
@@ -15,6 +14,7 @@ from lmcache_vericache.backends.store import DualTierStore
 from lmcache_vericache.backends.tiers.memory import MemoryTier
 from lmcache_vericache.connectors import paged_layout as pl
 from lmcache_vericache.connectors.kv_layout import CpuBlockLayout
+from lmcache_vericache.connectors.load_drafter import LoadDrafter
 from lmcache_vericache.connectors.model_guard import ModelGuard
 from lmcache_vericache.connectors.paged_transfer import ConnectorStats, LoadSpec, PagedTransfer
 from lmcache_vericache.engine import Runtime

@@ -10,7 +10,6 @@ import torch
 
 from lmcache_vericache import compressors
 from lmcache_vericache.engine import Runtime, Segment
-from lmcache_vericache.engine.cache import kv_to_2ltd
 from lmcache_vericache.engine.draft_cache import DRAFT_KINDS, DraftCaches, DraftPrefix
 
 C, CHUNKS, TAIL = 32, 4, 5  # chunk size, chunks in the prefix, exact tokens after it
