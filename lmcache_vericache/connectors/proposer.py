@@ -48,6 +48,7 @@ from .kv_layout import KVLayout
 from .kv_layout import layout_for as kv_layout_for
 from .proposer_options import CONFIG_KEY, ProposerOptions
 from .vllm_model import runtime_for
+from .vllm_version import check_proposer
 from .worker_context import ChunkSource, WorkerContext
 
 logger = logging.getLogger("vllm." + __name__)
@@ -70,6 +71,7 @@ class CompressedKVProposer:
     """vLLM ``custom_class`` proposer drafting over compressed KV with the target model's weights."""
 
     def __init__(self, vllm_config: Any):
+        check_proposer()  # before anything else: on vLLM >= 0.34 the hook this class speaks is gone
         spec = vllm_config.speculative_config
         pc = getattr(vllm_config, "parallel_config", None)
         if pc is not None and (pc.tensor_parallel_size > 1 or pc.pipeline_parallel_size > 1):
