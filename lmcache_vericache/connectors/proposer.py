@@ -154,13 +154,16 @@ class CompressedKVProposer:
         owners = self.states.owners(list(rows.values()))
         rounds = [(st.drafted, a) for st in owners if (a := self._accepted(st, rows)) is not None]
         self.horizon.begin(lengths, rounds)
-        L = self.horizon.L if not self.opts.adaptive or self._may_pay(lengths) else 0
+        bound = not self.opts.adaptive or self._may_pay(lengths)
+        L = self.horizon.L if bound else 0
         if L == 0:  # plain decoding: states kept (caught up when drafting again), finished ones dropped
             self.states.keep(owners)
             for st in owners:
                 st.drafted = 0
             self.stats.quiet_steps += 1
             self.horizon.end(0, 0.0)
+            if not bound:  # not the horizon's choice: no sample of its plain steps
+                self.horizon.pause()
             return out
         claimed: list[DraftState] = []
         work: list[tuple[DraftState, int, np.ndarray, int]] = []  # state, row, its tokens, draft length

@@ -317,3 +317,12 @@ def test_quiet_steps_give_finished_requests_bytes_back(tiny_model):
     a.accept(1)
     assert call(p, [a]) == [[]]  # b finished; the step is quiet
     assert p.stats.quiet_steps == 1 and p.states.states == [st_a] and p.budget.held == st_a.nbytes > 0
+
+
+def test_adaptive_proposer_is_quiet_where_the_bytes_bound_rules_drafting_out(tiny_model):
+    p, paged = make(tiny_model, compressor="int8", adaptive=True)
+    t = Target(p.rt, [1, 2], list(range(10, 150)), paged)
+    p._weight_bytes = 10 ** 12  # weights dwarf the KV: a draft step reads about what a plain one does
+    assert call(p, [t]) == [[]] and p.stats.quiet_steps == 1 and p.states.states == []
+    p._weight_bytes = 1  # KV-bound: the horizon's first steps draft
+    assert len(call(p, [t])[0]) == min(4, K) and p.stats.quiet_steps == 1
