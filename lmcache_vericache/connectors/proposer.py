@@ -127,6 +127,7 @@ class CompressedKVProposer:
         self.rt, self.block_tables, self._layout = rt, block_tables, layout
         self._caches = {}
         own = self.caches_for(None)  # the options checked now, not at the first draft
+        own.warm_up(self.max_model_len)  # CUDA: the Triton variants compiled before vLLM's steps
         limit = (self.opts.draft_cache_bytes if self.opts.draft_cache_bytes != "auto" else
                  own.auto_bytes(self.max_num_seqs, self.max_model_len, self.opts.chunk_size + self.opts.window + self.max_draft))
         cap = device_cap(rt.device, self.mem_share)

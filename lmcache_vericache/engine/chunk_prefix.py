@@ -233,3 +233,21 @@ def attention(jobs: list[tuple[Tensor, ChunkPrefix, int]], scale: float) -> list
             rows = jobs[i][0].shape[1]
             res[i] = out[j, :, :rows], lse[j, :, :rows]
     return res  # type: ignore[return-value]
+
+
+def warm_up(arena: ChunkArena, max_chunks: int, rows: Sequence[int] = (1, 32, 64)) -> int:
+    """Launch once every kernel variant a draft over ``arena`` can need, so that Triton compiles them
+    here (the proposer's ``load_model``) rather than inside a vLLM step: one per split count
+    :func:`~.triton_attention.default_splits` may choose (powers of 2 up to ``max_chunks``, the
+    widest table) and per row block (``rows``: a draft step's GQA group, and the load drafter's
+    longer blocks). Returns the variants launched."""
+    fmt, dev = arena.fmt, arena.device
+    pool = ChunkPool.empty(fmt, 1, dev)
+    splits = [1 << i for i in range(max(1, max_chunks).bit_length())]
+    lengths = torch.zeros(1, dtype=torch.int32, device=dev)
+    for m in rows:
+        q = torch.zeros(1, fmt.heads, m, fmt.head_dim, dtype=fmt.dtype, device=dev)
+        for s in splits:
+            table = torch.zeros(1, s, dtype=torch.int32, device=dev)
+            triton_attention.attention(q, pool, table, lengths, 1.0, splits=s, check=False)
+    return len(rows) * len(splits)

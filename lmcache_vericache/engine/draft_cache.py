@@ -36,7 +36,7 @@ from ..compressors import CompressedKV, KVCompressor
 from ..compressors.formats import describe
 from . import int8_attention
 from .cache import KVCache, append_chunks
-from .chunk_prefix import ChunkArena, ChunkPrefix, kernel_format
+from .chunk_prefix import ChunkArena, ChunkPrefix, kernel_format, warm_up
 from .codebook_attention import Codebook, CodebookPrefix
 from .int8_attention import Int8Prefix
 from .kvfetch import CertifiedPrefix
@@ -173,6 +173,13 @@ class DraftCaches:
             else:
                 self._ratio = sum(chunk_entries(ckv)) / (rt.num_layers * c)
         return self._ratio
+
+    def warm_up(self, max_tokens: int) -> int:
+        """Compile, now, the kernel variants drafts of up to ``max_tokens`` tokens may launch (the
+        ``chunked`` kind on CUDA: Triton compiles a variant on its first launch); 0 elsewhere."""
+        if self.kind != "chunked" or self.rt.device.type != "cuda":
+            return 0
+        return warm_up(self.arena, math.ceil(max_tokens / self.chunk_size))
 
     def kept_per_chunk(self) -> int:
         """Dense entries the longest layer of a cache keeps per chunk (0 where packed): what ``auto``

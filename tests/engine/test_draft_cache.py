@@ -133,6 +133,16 @@ def test_chunked_kind_under_the_triton_interpreter():
     if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
         pytest.skip("ran in this process")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           "chunked and not interpreter"], env={**os.environ, "TRITON_INTERPRET": "1"},
+                           "chunked and not interpreter or warm_up"], env={**os.environ, "TRITON_INTERPRET": "1"},
                           capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and "3 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0 and "4 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
+
+
+def test_chunked_warm_up_launches_every_split_variant(rt):
+    """The kernel variants a chunked draft may launch (split counts up to the widest table, row
+    blocks) run once at start-up; here through the interpreter on the CPU."""
+    from lmcache_vericache.engine.chunk_prefix import warm_up
+
+    caches = caches_of(rt, "chunked")
+    assert warm_up(caches.arena, max_chunks=5, rows=(2, 64)) == 2 * 3  # splits 1, 2, 4
+    assert caches.warm_up(4096) == 0  # off CUDA nothing is compiled
