@@ -10,6 +10,7 @@ import logging
 import mmap
 import threading
 import weakref
+from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -87,7 +88,8 @@ class DualTierStore:
       carries a keyed BLAKE3 tag over the tier key and the value (tampering, :mod:`.mac`): a value written
       without the key, or moved to another key, is rejected. Compressed values read from the tier
       must match the store's compressor, parameters and head count and pass
-      ``compressors.validate``; full values must be ``[2, L, T, heads*D]``. One exception: a full
+      ``compressors.validate``; full values must be ``[2, L, T, heads*D]`` (unless read as not KV,
+      ``kv=False``: values stored full-only that are not KV, checked for the rest). One exception: a full
       chunk this store wrote into a plain :class:`MemoryTier` (no MAC) and still there, unchanged, is
       immutable ``bytes`` in this process: its digest is not computed again on every read (~47 ms
       of a core per 8k SmolLM2 prefix, taken from the drafting it runs beside); its framing, length
@@ -158,8 +160,10 @@ class DualTierStore:
 
         ``compress=False`` stores the full chunk only, for KV whose rows are not tokens (vLLM's
         CPU paged blocks as LMCache's MP server hands them over): a compressed copy of those
-        bytes would serve no drafter and cost a compression per chunk. ``replace=True`` rewrites
-        a committed value: for a caller that found it unusable and recomputed the exact KV."""
+        bytes would serve no drafter and cost a compression per chunk. It also stores values that
+        are not KV at all (any tensor, e.g. an object's raw bytes as 1-D ``uint8``), checksummed like
+        a full chunk; read those with ``kv=False``. ``replace=True`` rewrites a committed value:
+        for a caller that found it unusable and recomputed the exact KV."""
         self._check_open()
         if not replace and self.has_full(key) and (not compress or self.capacity.contains(key + self._ckv_sfx)) \
                 and key not in self._rejected:
@@ -312,22 +316,32 @@ class DualTierStore:
         return key not in self._rejected and self.capacity.contains(key + self._full_sfx)
 
     # -- full path ------------------------------------------------------------------------------
-    def get_full(self, key: str) -> Tensor | None:
-        """The verified full chunk, read now (blocking)."""
+    def get_full(self, key: str, *, kv: bool = True) -> Tensor | None:
+        """The verified full chunk, read now (blocking). ``kv=False`` reads a value stored full-only
+        that is not KV: framing, length and digest are checked, the ``[2, L, T, H*D]`` shape is not."""
         self._check_open()
-        return self._read_full(key)
+        return self._read_full(key, kv)
 
-    def prefetch(self, keys: list[str], *, window: int | None = None) -> PrefetchHandle:
+    def prefetch(self, keys: list[str], *, window: int | None = None,
+                 not_kv: Collection[str] = ()) -> PrefetchHandle:
         """Start background reads of the full chunks of ``keys`` and return at once. At most
-        ``window`` (default ``4 * max_concurrent_reads``) chunks are read ahead of the consumer."""
+        ``window`` (default ``4 * max_concurrent_reads``) chunks are read ahead of the consumer.
+        Keys in ``not_kv`` are read as ``get_full(key, kv=False)`` reads them."""
         self._check_open()
         window = window or 4 * self.max_concurrent_reads
-        return PrefetchHandle(list(keys), self._submit_read, window, self._count)
+        submit = self._submit_read
+        if not_kv:
+            plain = frozenset(not_kv)
 
-    def _submit_read(self, key: str) -> Future:
+            def submit(key: str) -> Future:
+                return self._submit_read(key, key not in plain)
+
+        return PrefetchHandle(list(keys), submit, window, self._count)
+
+    def _submit_read(self, key: str, kv: bool = True) -> Future:
         self._prom_queued.inc()
         try:
-            fut = self._pool.submit(self._prefetch_read, key)
+            fut = self._pool.submit(self._prefetch_read, key, kv)
         except RuntimeError:  # the pool is shut down: the store closed
             self._prom_queued.dec()
             return MISSED
@@ -339,19 +353,19 @@ class DualTierStore:
         if fut.cancelled():  # never ran: still counted as queued
             self._prom_queued.dec()
 
-    def _prefetch_read(self, key: str) -> Tensor | None:
+    def _prefetch_read(self, key: str, kv: bool) -> Tensor | None:
         self._prom_queued.dec()
         self._prom_reading.inc()
         try:
-            return self._read_full(key)
+            return self._read_full(key, kv)
         finally:
             self._prom_reading.dec()
 
-    def _read_full(self, key: str) -> Tensor | None:
+    def _read_full(self, key: str, kv: bool = True) -> Tensor | None:
         with self._prom_full_s.time():
-            return self._read_full_timed(key)
+            return self._read_full_timed(key, kv)
 
-    def _read_full_timed(self, key: str) -> Tensor | None:
+    def _read_full_timed(self, key: str, kv: bool) -> Tensor | None:
         try:
             blob, own = self._read(key + self._full_sfx)
             if blob is None:
@@ -359,7 +373,8 @@ class DualTierStore:
                 return None
             self._count(bytes_read=len(blob))
             t = decode_full(blob, check_digest=not own)
-            self._check_full(t)
+            if kv:
+                self._check_full(t)
         except (CorruptChunkError, InvalidChunkError) as e:
             self._count(full_misses=1)
             self._reject(key, "full", e)

@@ -19,6 +19,14 @@ K/V planes ``[2, L, T, W]`` are the engine's ``kv_2ltd`` layout and are found by
 vLLM-on-CPU's fused paged planes ``[L, T, 2W]`` are not token-major, get a layout of their own
 (``vllm_cpu_fused``) and are stored full-only, so no other host is ever served one.
 
+Any other object (another shape, a dtype that is not KV's, a width the head count does not divide:
+LMCache's own ``lmcache bench l2`` hands over 1-D ``uint8`` buffers) is stored whole: its raw bytes
+as a 1-D ``uint8`` full value, checksummed, never compressed, in the key space of layout
+``opaque[<shape>]`` and the object's dtype, so an object of another shape or dtype under the same
+``ObjectKey`` is never served it. Each one also gets a shape-free marker (layout ``opaque_mark``)
+naming its store key, so a lookup that passes no layout (the bench does; LMCache's server always
+passes the group's layout) still finds it, also after a restart.
+
 As in-process, LMCache loads and stores **full** chunks through this adapter (exact KV).
 """
 
@@ -39,6 +47,7 @@ from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
 from ... import metrics as M
+from ...compressors.codec import CHUNK_DTYPES
 from ...workers import torch_serial
 from ..config import StoreConfig
 from ..keys import LAYOUT_2LTD, KeySpace
@@ -53,6 +62,12 @@ logger = logging.getLogger(__name__)
 #: vLLM-on-CPU's fused K/V plane ``[L, T, 2W]`` (LMCache ``kv_size == 1``): rows are paged
 #: blocks tiled in vLLM's own order, not tokens (docs/host-notes.md#vllm-cpu-block-layout).
 LAYOUT_VLLM_CPU_FUSED = "vllm_cpu_fused"
+#: An object that is not KV, stored whole as raw bytes; the layout tag carries its shape.
+LAYOUT_OPAQUE = "opaque"
+#: The shape-free marker of an opaque object: its value is the object's store key.
+LAYOUT_OPAQUE_MARK = "opaque_mark"
+# Key spaces cached per (model, layout, tokens, dtype): bounded, as ranks or shapes may be many.
+_MAX_SPACES = 4096
 
 
 def object_layout(shape: Sequence[int]) -> tuple[str, int]:
@@ -62,6 +77,25 @@ def object_layout(shape: Sequence[int]) -> tuple[str, int]:
     if len(shape) == 3 and shape[-1] % 2 == 0:
         return LAYOUT_VLLM_CPU_FUSED, int(shape[1])
     raise ValueError(f"unsupported MP object shape {tuple(shape)}: expected [2, L, T, W] or [L, T, 2*W]")
+
+
+def kv_layout(shape: Sequence[int], dtype: torch.dtype, num_kv_heads: int) -> tuple[str, int] | None:
+    """``(layout, tokens)`` of an object the store keeps as KV: a non-empty :func:`object_layout`
+    shape of a floating dtype whose per-plane width ``num_kv_heads`` divides (what the store checks
+    full KV chunks for on read). ``None`` for any other object: it is stored whole (opaque)."""
+    try:
+        layout, tokens = object_layout(shape)
+    except ValueError:
+        return None
+    width = int(shape[-1]) if layout == LAYOUT_2LTD else int(shape[-1]) // 2
+    if not dtype.is_floating_point or any(int(s) <= 0 for s in shape) or width % num_kv_heads:
+        return None
+    return layout, tokens
+
+
+def opaque_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t`` as a 1-D ``uint8`` tensor (a view where ``t`` is contiguous)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def kv_2ltd_view(t: torch.Tensor) -> torch.Tensor:
@@ -110,6 +144,9 @@ class VeriCacheL2Adapter(L2AdapterInterface):
     * Ownership: stored and load-buffer objects belong to the caller and stay valid until their
       task completes. A store copies the chunk's bytes into the store before completing; a load
       writes the verified full chunk into the caller's buffer (a shape/dtype mismatch is a miss).
+    * Objects: KV chunks (:func:`kv_layout`) as the module docstring says; any other object whole
+      and byte for byte (:data:`LAYOUT_OPAQUE`), found by a lookup without a layout through its
+      marker. A value that fails its checksum is a miss (and deleted), never wrong bytes.
     * Locking: the capacity tiers never evict on their own, so lookup is a presence check and
       ``submit_unlock`` has nothing to release.
     * Thread-safe: called by LMCache's store and prefetch controller threads; shared state is the
@@ -128,6 +165,7 @@ class VeriCacheL2Adapter(L2AdapterInterface):
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="vericache-l2-store", initializer=torch_serial)
         self._readers = ThreadPoolExecutor(2, thread_name_prefix="vericache-l2-load", initializer=torch_serial)
         self._closed = False
+        self._opaque_seen: set[tuple] = set()
         self.stats = {
             "stored_chunks": 0,
             "store_failures": 0,
@@ -139,15 +177,32 @@ class VeriCacheL2Adapter(L2AdapterInterface):
 
     def key(self, key: ObjectKey, shape: Sequence[int], dtype: torch.dtype) -> str:
         """Store key of ``key`` for an object of ``shape``/``dtype`` (the shared scheme)."""
-        layout, tokens = object_layout(shape)
+        return self._key(key, shape, dtype)[0]
+
+    def _key(self, key: ObjectKey, shape: Sequence[int], dtype: torch.dtype) -> tuple[str, bool]:
+        """``(store key, is KV)`` of ``key`` for an object of ``shape``/``dtype``."""
+        kv = kv_layout(shape, dtype, self.store.num_kv_heads)
+        if kv is None:  # not KV: the layout binds the exact shape, the space the dtype
+            layout, tokens = LAYOUT_OPAQUE + "[" + ",".join(str(int(s)) for s in shape) + "]", 1
+        else:
+            layout, tokens = kv
+        return self._space(key, layout, tokens, dtype).key(key.chunk_hash), kv is not None
+
+    def _mark_key(self, key: ObjectKey) -> str:
+        """Store key of the shape-free marker of the opaque object last stored under ``key``."""
+        return self._space(key, LAYOUT_OPAQUE_MARK, 1, torch.uint8).key(key.chunk_hash)
+
+    def _space(self, key: ObjectKey, layout: str, tokens: int, dtype: torch.dtype) -> KeySpace:
         qual = "".join(f"/{n}.{v}" for n, v in (("rank", key.kv_rank), ("group", key.object_group_id),
                                                   ("salt", key.cache_salt)) if v)
         spec = (key.model_name, layout + qual, tokens, dtype)
         space = self._spaces.get(spec)
         if space is None:
+            if len(self._spaces) >= _MAX_SPACES:
+                self._spaces.clear()
             space = self._spaces[spec] = self.config.key_space(
                 model=key.model_name, dtype=dtype, chunk_size=tokens, layout=layout + qual)
-        return space.key(key.chunk_hash)
+        return space
 
     # -- event fds ------------------------------------------------------------------------------
     def get_store_event_fd(self) -> int:
@@ -205,11 +260,8 @@ class VeriCacheL2Adapter(L2AdapterInterface):
         failures, stored, sizes = 0, [], []
         for key, obj in zip(keys, objects, strict=True):
             try:
-                skey = self.key(key, obj.tensor.shape, obj.tensor.dtype)
-                if self.store.has_full(skey):
+                if not self._store_one(key, obj.tensor):
                     continue
-                # Only split K/V planes have token rows worth compressing (see LAYOUT_VLLM_CPU_FUSED).
-                self.store.put(skey, kv_2ltd_view(obj.tensor), compress=obj.tensor.dim() == 4)
             except Exception as e:  # logged by the store for tier errors; reported per task
                 logger.error("VeriCacheL2Adapter: store of %s failed: %s", key, e)
                 failures += 1
@@ -220,6 +272,44 @@ class VeriCacheL2Adapter(L2AdapterInterface):
         if stored:
             self._notify_keys_stored(stored, sizes)
         return L2StoreResult(failures == 0, sum(sizes))
+
+    def _store_one(self, key: ObjectKey, t: torch.Tensor) -> bool:
+        """Store one object; ``False`` where it was already stored. Raises on failure."""
+        skey, kv = self._key(key, t.shape, t.dtype)
+        if kv:
+            if self.store.has_full(skey):
+                return False
+            # Only split K/V planes have token rows worth compressing (see LAYOUT_VLLM_CPU_FUSED),
+            # and only in the dtypes the compressors take.
+            self.store.put(skey, kv_2ltd_view(t), compress=t.dim() == 4 and t.dtype in CHUNK_DTYPES)
+            return True
+        self._note_opaque(t)
+        written = not self.store.has_full(skey)
+        if written:
+            self.store.put(skey, opaque_bytes(t), compress=False)
+        mkey = self._mark_key(key)
+        if written or not self.store.has_full(mkey):  # the marker goes second: it names a stored value
+            name = torch.frombuffer(bytearray(skey.encode()), dtype=torch.uint8)
+            self.store.put(mkey, name, compress=False, replace=True)
+        return written
+
+    def _note_opaque(self, t: torch.Tensor) -> None:
+        """Log the first object of each shape/dtype stored whole (a few dozen at most); a warning for
+        one shaped like KV, which a wrong ``num_kv_heads`` would also send here."""
+        spec = (tuple(t.shape), t.dtype)
+        with self._lock:
+            if spec in self._opaque_seen or len(self._opaque_seen) >= 64:
+                return
+            self._opaque_seen.add(spec)
+        try:
+            object_layout(t.shape)
+            kv_shaped = t.dtype.is_floating_point and t.numel() > 0
+        except ValueError:
+            kv_shaped = False
+        (logger.warning if kv_shaped else logger.info)(
+            "VeriCacheL2Adapter: %s %s objects are not KV chunks of %d heads: stored whole "
+            "(full-only, checksummed, no compressed copy)%s", tuple(t.shape), t.dtype, self.store.num_kv_heads,
+            "; if they are KV, check num_kv_heads" if kv_shaped else "")
 
     # -- lookup ---------------------------------------------------------------------------------
     def submit_lookup_and_lock_task(
@@ -237,13 +327,30 @@ class VeriCacheL2Adapter(L2AdapterInterface):
         hits = []
         for i, k in enumerate(keys):
             desc = descs.get(k.object_group_id)
-            if desc is None or not desc.shapes:  # no layout: cannot name the key, so a miss
-                continue
-            if self.store.has_full(self.key(k, desc.shapes[0], desc.dtypes[0])):
+            if desc is None or not desc.shapes:  # no layout: only an opaque object's marker names it
+                hit = self._marked(k)
+            else:
+                hit = self.store.has_full(self.key(k, desc.shapes[0], desc.dtypes[0]))
+            if hit:
                 hits.append(i)
         bitmap.batched_set(hits)
         self._count(lookups=len(keys), lookup_hits=len(hits))
         return bitmap
+
+    def _marked(self, key: ObjectKey) -> bool:
+        """An opaque object stored under ``key`` is present: its verified marker names a stored value."""
+        mkey = self._mark_key(key)
+        if not self.store.has_full(mkey):  # (no read, so the store's full_misses count loads only)
+            return False
+        name = self.store.get_full(mkey, kv=False)  # a bad marker is a miss (and deleted)
+        if name is None or name.dtype != torch.uint8 or name.dim() != 1:
+            return False
+        try:
+            skey = bytes(name.numpy()).decode()
+        except UnicodeDecodeError:
+            return False
+        # The value it names must be of this key's chunk hash (the part after the space id).
+        return "-" in skey and skey[skey.index("-"):] == mkey[mkey.index("-"):] and self.store.has_full(skey)
 
     def submit_unlock(self, keys: list[ObjectKey]) -> None:
         return None
@@ -257,17 +364,18 @@ class VeriCacheL2Adapter(L2AdapterInterface):
 
     def _load(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> Bitmap:
         bitmap = Bitmap(len(keys))
-        # A buffer with no chunk shape gets a key no chunk has (a miss) instead of failing the task.
-        skeys = [self._load_key(k, o) for k, o in zip(keys, objects, strict=True)]
-        handle = self.store.prefetch(skeys)  # reads run in parallel
+        # A buffer with no tensor gets a key no value has (a miss) instead of failing the task.
+        resolved = [self._load_key(k, o) for k, o in zip(keys, objects, strict=True)]
+        skeys = [skey for skey, _ in resolved]
+        handle = self.store.prefetch(skeys, not_kv=[skey for skey, kv in resolved if not kv])  # in parallel
         loaded = []
         for i, (key, obj) in enumerate(zip(keys, objects, strict=True)):
             full = handle.wait(i)
             if full is None:
                 continue
-            try:
-                dst = kv_2ltd_view(obj.tensor)
-            except (AttributeError, ValueError, RuntimeError):  # no tensor, or no chunk shape
+            try:  # an opaque object's buffer as the bytes it was stored as (same shape and dtype: same key)
+                dst = kv_2ltd_view(obj.tensor) if resolved[i][1] else obj.tensor.view(-1).view(torch.uint8)
+            except (AttributeError, ValueError, RuntimeError):  # no tensor, no chunk shape, not contiguous
                 dst = None
             if dst is None or dst.shape != full.shape or dst.dtype != full.dtype:
                 logger.error(
@@ -284,11 +392,11 @@ class VeriCacheL2Adapter(L2AdapterInterface):
             self._notify_keys_accessed(loaded)
         return bitmap
 
-    def _load_key(self, key: ObjectKey, obj: MemoryObj) -> str:
+    def _load_key(self, key: ObjectKey, obj: MemoryObj) -> tuple[str, bool]:
         try:
-            return self.key(key, obj.tensor.shape, obj.tensor.dtype)
+            return self._key(key, obj.tensor.shape, obj.tensor.dtype)
         except (AttributeError, ValueError):
-            return "unloadable-" + key.chunk_hash.hex()
+            return "unloadable-" + key.chunk_hash.hex(), True
 
     # -- status / close -------------------------------------------------------------------------
     def report_status(self) -> dict:
