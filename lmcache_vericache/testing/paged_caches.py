@@ -1,9 +1,62 @@
 """Paged KV caches as vLLM's GPU workers allocate them, on any device (the CPU in tests), and the
-attention backends' own reading of them: the oracle of the connector's layout strategies."""
+attention backends' own reading of them: the oracle of the connector's layout strategies.
+
+:func:`layout_caches` builds them without vLLM (a GPU check machine has none), for each of vLLM's
+six physical layouts (:data:`LAYOUTS`) with kernel-block splitting; :func:`vllm_caches` asks vLLM's
+own ``allocate_kv_cache``, and a test holds the two equal (shape, strides, offset) for every layout."""
 
 from __future__ import annotations
 
 import torch
+
+#: vLLM's ``KVCacheLayout`` members: the physical order of the logical axes ``[L, B, H, N, C]``.
+LAYOUTS = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4),
+           "BLHNC": (1, 0, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4)}
+
+
+def _strides(shape: tuple[int, ...], order: tuple[int, ...], fixed: tuple = (None,) * 5) -> list[int]:
+    """Element strides of the logical axes laid out in ``order`` (innermost last), ``fixed`` kept."""
+    strides, step = [0] * 5, 1
+    for dim in reversed(order):
+        strides[dim] = fixed[dim] or step
+        step = strides[dim] * shape[dim]
+    return strides
+
+
+def splittable(layout: str) -> bool:
+    """Whether vLLM can split a block of ``layout`` into kernel blocks (L, then B, outermost: a
+    block of a layer is one dense page)."""
+    return LAYOUTS[layout][:2] == (0, 1)
+
+
+def layout_caches(layout: str, *, layers: int, heads: int, head_size: int, block_size: int, num_blocks: int,
+                  kernel_block: int | None = None, dtype: torch.dtype = torch.float32, seed: int | None = 0,
+                  device: str | torch.device = "cpu") -> list[torch.Tensor]:
+    """Per-layer ``[B, H, N, 2D]`` views of one buffer, as vLLM 0.32's ``allocate_kv_cache`` lays
+    out ``layout`` (a :data:`LAYOUTS` name): a block of ``block_size`` tokens, or ``block_size /
+    kernel_block`` kernel blocks of it (then ``B`` and ``N`` count kernel blocks); random values
+    from ``seed`` (``None``: zeros). No vLLM needed."""
+    order = LAYOUTS[layout]
+    width = 2 * head_size * dtype.itemsize  # C in bytes: K then V of a token and head
+    layer_stride, block_stride, *_ = _strides((layers, num_blocks, heads, block_size, width), order)
+    kb = kernel_block or block_size
+    if block_size % kb:
+        raise ValueError(f"kernel block {kb} must divide the block size {block_size}")
+    ratio = block_size // kb
+    if ratio > 1:
+        if block_stride != heads * block_size * width:
+            raise ValueError(f"layout {layout} does not keep a block as one dense page: it cannot be split")
+        block_stride //= ratio
+    shape = (layers, num_blocks * ratio, heads, kb, width)
+    strides = _strides(shape, order, (layer_stride, block_stride, None, None, None))
+    buf = torch.zeros(layers * num_blocks * heads * block_size * width, dtype=torch.int8, device=device)
+    view = torch.as_strided(buf, shape, strides)
+    caches = [view[li].view(dtype) for li in range(layers)]
+    if seed is not None:
+        g = torch.Generator().manual_seed(seed)
+        for c in caches:
+            c.copy_(torch.randn(c.shape, generator=g).to(dtype))
+    return caches
 
 
 def vllm_caches(layout, *, layers: int, heads: int, head_size: int, block_size: int, num_blocks: int,

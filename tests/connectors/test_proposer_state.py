@@ -76,14 +76,11 @@ def cpu_paged(rt):
 def cuda_paged(rt, kernel_block=16, vllm_block=64):
     """Caches as vLLM's GPU workers allocate them (``allocate_kv_cache``, here on CPU tensors) with
     kernel blocks smaller than vLLM's block: the table's ids are kernel blocks."""
-    from vllm.v1.kv_cache_layout import KVCacheLayout
-
     from lmcache_vericache.connectors.kv_layout import LogicalLayout
-    from lmcache_vericache.testing import paged_caches
+    from lmcache_vericache.testing.paged_caches import layout_caches
 
-    caches = paged_caches.vllm_caches(KVCacheLayout.LBNHC, layers=rt.num_layers, heads=rt.num_kv_heads,
-                                      head_size=rt.head_dim, block_size=vllm_block, num_blocks=12,
-                                      kernel_block=kernel_block)
+    caches = layout_caches("LBNHC", layers=rt.num_layers, heads=rt.num_kv_heads, head_size=rt.head_dim,
+                           block_size=vllm_block, num_blocks=12, kernel_block=kernel_block)
     return SimpleNamespace(layout=LogicalLayout(caches), block_size=kernel_block)
 
 
