@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import logging
 import queue
+import re
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -38,8 +40,8 @@ from ..backends.store import DualTierStore
 from ..engine.cache import kv_to_2ltd
 from ..workers import torch_serial
 from . import paged_layout as pl
-from .device_io import CpuIO, DeviceIO, Pending
-from .kv_layout import KVLayout
+from .device_io import CpuIO, CudaIO, DeviceIO, Pending, TorchCuda
+from .kv_layout import KVLayout, layout_for
 from .load_drafter import DraftJob, LoadDrafter
 
 logger = logging.getLogger("vllm." + __name__)  # shown by vLLM's log handler
@@ -290,3 +292,28 @@ class PagedTransfer:
         self._saves.put(None)
         self._writer.join(10)
         self._loader.shutdown(wait=True, cancel_futures=True)
+
+
+def build_transfer(kv_caches: dict[str, torch.Tensor], isas: Callable[[list[str]], list[str | None]],
+                   store: DualTierStore, space: KeySpace, *, num_kv_heads: int, chunk_size: int, block_size: int,
+                   draft_tokens: int, load_timeout_s: float, pinned_pool_bytes: int, stats: ConnectorStats,
+                   drafter: LoadDrafter | None = None) -> PagedTransfer:
+    """The worker's transfer over vLLM's registered caches (``register_kv_caches``' argument), with no
+    vLLM import: layers sorted by their index, the layout strategy chosen for their device
+    (``isas(names)``: the CPU backend's per-layer ISA), the head count checked against the model's,
+    and the device IO (on CUDA a pinned pool of ``pinned_pool_bytes`` in slabs of one chunk)."""
+    def layer_index(name: str) -> int:
+        found = re.findall(r"\d+", name)
+        return int(found[0]) if found else 0
+
+    names = sorted(kv_caches, key=layer_index)  # this rank's layers (its PP stage's), in order
+    layout = layout_for([kv_caches[n] for n in names], lambda: isas(names))
+    if layout.kv_heads != num_kv_heads:
+        raise ValueError(f"VeriCacheConnector: the KV cache has {layout.kv_heads} heads per rank, the model "
+                         f"config {num_kv_heads}")
+    io: DeviceIO = CpuIO()
+    if layout.device.type != "cpu":
+        chunk_bytes = 2 * layout.num_layers * chunk_size * layout.width * layout.dtype.itemsize
+        io = CudaIO(TorchCuda(layout.device), chunk_bytes, pinned_pool_bytes, load_timeout_s)
+    return PagedTransfer(store, space, chunk_size, block_size, layout, draft_tokens, load_timeout_s, stats,
+                         drafter=drafter, io=io)

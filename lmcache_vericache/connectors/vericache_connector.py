@@ -51,7 +51,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,9 +66,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ..backends import StoreConfig
 from ..backends.keys import KeySpace, folder_fingerprint
 from ..options import parse_options
-from .device_io import CpuIO, CudaIO, TorchCuda
-from .kv_layout import layout_for
-from .paged_transfer import ConnectorStats, LoadSpec, PagedTransfer, SaveSpec
+from .paged_transfer import ConnectorStats, LoadSpec, PagedTransfer, SaveSpec, build_transfer
 from .vllm_stats import IntervalCounter, VeriCacheConnectorPromMetrics, VeriCacheConnectorStats, snapshot
 from .worker_context import ChunkSource, WorkerContext
 
@@ -334,23 +331,12 @@ class VeriCacheConnector(KVConnectorBase_V1):
 
     # == worker side: thin hooks over PagedTransfer =================================================
     def register_kv_caches(self, kv_caches: dict[str, Tensor]) -> None:
-        def layer_index(name: str) -> int:
-            found = re.findall(r"\d+", name)
-            return int(found[0]) if found else 0
-
-        names = sorted(kv_caches, key=layer_index)  # this rank's layers (its PP stage's), in order
         ctx = self._vllm_config.compilation_config.static_forward_context
-        layout = layout_for([kv_caches[n] for n in names], lambda: [getattr(ctx[n], "isa", None) for n in names])
-        if layout.kv_heads != self.config.num_kv_heads:
-            raise ValueError(f"VeriCacheConnector: the KV cache has {layout.kv_heads} heads per rank, the model "
-                             f"config {self.config.num_kv_heads}")
-        io = CpuIO()
-        if layout.device.type != "cpu":
-            chunk_bytes = 2 * layout.num_layers * self.opts.chunk_size * layout.width * layout.dtype.itemsize
-            io = CudaIO(TorchCuda(layout.device), chunk_bytes, self.opts.pinned_pool_bytes, self.opts.load_timeout_s)
-        self.transfer = PagedTransfer(self.store, self.space, self.opts.chunk_size, self.block_size, layout,
-                                      self.opts.draft_tokens, self.opts.load_timeout_s, self.stats,
-                                      drafter=self.context.drafter, io=io)
+        self.transfer = build_transfer(
+            kv_caches, lambda names: [getattr(ctx[n], "isa", None) for n in names], self.store, self.space,
+            num_kv_heads=self.config.num_kv_heads, chunk_size=self.opts.chunk_size, block_size=self.block_size,
+            draft_tokens=self.opts.draft_tokens, load_timeout_s=self.opts.load_timeout_s,
+            pinned_pool_bytes=self.opts.pinned_pool_bytes, stats=self.stats, drafter=self.context.drafter)
         atexit.register(self.transfer.flush)  # queued saves are written before the worker exits
         self.context.source = ChunkSource(self.store, self.space, self.opts.chunk_size)
 

@@ -60,3 +60,25 @@ def test_a_drafting_failure_does_not_fail_the_load(tiny_model, caplog):
         k, v = pl.gather(cache, pl.layout_for(cache, "vec"), slots)
         want = torch.cat(fulls, dim=2)[:, li].view(2, 2 * CHUNK, HEADS, HEAD).transpose(1, 2)
         assert torch.equal(k, want[0]) and torch.equal(v, want[1])
+
+
+def test_build_transfer_sorts_layers_by_index_and_checks_heads(tmp_path):
+    """The worker's transfer, built without vLLM from the caches vLLM registers (what the
+    connector's ``register_kv_caches`` calls): layers in index order (``layers.10`` after
+    ``layers.2``), a head count other than the model's refused by name."""
+    from lmcache_vericache.backends import StoreConfig
+    from lmcache_vericache.backends.keys import KeySpace
+    from lmcache_vericache.connectors.paged_transfer import ConnectorStats, build_transfer
+
+    caches = {f"model.layers.{i}.self_attn.attn": torch.full((4, 2, 128, 64), float(i)) for i in (10, 2, 0)}
+    store = StoreConfig.parse({"num_kv_heads": 2}).build()
+    space = KeySpace(model="m", dtype="float32", chunk_size=128, compressor="int8")
+    common = dict(chunk_size=128, block_size=128, draft_tokens=0, load_timeout_s=5.0, pinned_pool_bytes=1 << 20,
+                  stats=ConnectorStats())
+    try:
+        t = build_transfer(caches, lambda names: ["vec"] * len(names), store, space, num_kv_heads=2, **common)
+        assert [float(x[0, 0, 0, 0]) for x in t.layout.layers] == [0.0, 2.0, 10.0]
+        with pytest.raises(ValueError, match="has 2 heads per rank, the model config 3"):
+            build_transfer(caches, lambda names: ["vec"] * len(names), store, space, num_kv_heads=3, **common)
+    finally:
+        store.close()
