@@ -192,7 +192,9 @@ class CompressedKVProposer:
         self.stats.draft_s += t2 - t1
         self.stats.proposed += sum(len(o) for o in out)
         self.stats.cache_bytes = self.budget.held
-        self.horizon.end(max((n for *_, n in work), default=0), t2 - t0)
+        # The horizon prices the draft forwards: a state's sync is mostly its one-off build (a new
+        # request's prefix read or compressed), then a few exact tokens a step (in stats.sync_s).
+        self.horizon.end(max((n for *_, n in work), default=0), t2 - t1)
         return out
 
     def _may_pay(self, lengths: list[int]) -> bool:

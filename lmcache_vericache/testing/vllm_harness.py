@@ -50,6 +50,10 @@ def run_engine(spec: dict[str, Any], workdir: Path, *, env: dict[str, str] | Non
             rc = _wait(proc, timeout, progress, on_progress)
         except subprocess.TimeoutExpired:
             rc = "timeout"
+        except BaseException:  # interrupted (Ctrl-C, SIGTERM turned into an exception): no engine outlives it
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, 9)
+            raise
         # The engine core and workers are in the child's session: none outlives the run, whatever
         # its end (a timeout, a failed child, a shutdown that left one behind).
         with contextlib.suppress(ProcessLookupError):
