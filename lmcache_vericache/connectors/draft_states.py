@@ -143,6 +143,11 @@ class StepHorizon:
         """A step drafting was ruled out for another reason: the next interval is no sample."""
         self._end = self._lengths = None
 
+    def clear_samples(self) -> None:
+        """Forget the reported step costs (the horizon's own model is kept)."""
+        for d in (self.draft_step_s, self.verify_step_s, self.plain_step_s):
+            d.clear()
+
     def medians_ms(self) -> dict[str, float | None]:
         return {name: (1e3 * statistics.median(d) if d else None) for name, d in (
             ("draft_step_ms", self.draft_step_s), ("verify_step_ms", self.verify_step_s),

@@ -296,12 +296,16 @@ class CompressedKVProposer:
                     break
         self._first = []
 
-    def report(self) -> dict[str, Any]:
-        """Counters, the step costs the horizon measured (medians, ms) and the draft caches' kind."""
+    def report(self, reset_costs: bool = False) -> dict[str, Any]:
+        """Counters, the step costs measured since the last reset (medians, ms) and the draft
+        caches' kind. ``reset_costs``: start the cost samples afresh (per benchmark job)."""
         sync = asdict(self.sync.stats) if self.sync is not None else {}
         kind = self.caches_for(self.context.source).kind if self.rt is not None else None
-        return {**asdict(self.stats), **sync, **self.horizon.medians_ms(), "draft_cache": kind,
-                "live_states": len(self.states.states), "horizon_L": self.horizon.L}
+        out = {**asdict(self.stats), **sync, **self.horizon.medians_ms(), "draft_cache": kind,
+               "live_states": len(self.states.states), "horizon_L": self.horizon.L}
+        if reset_costs:
+            self.horizon.clear_samples()
+        return out
 
 
 def _calling_runner(proposer: CompressedKVProposer) -> Any:

@@ -118,9 +118,10 @@ def _delta(after: dict, before: dict) -> dict:
 
 
 def proposer_stats(model) -> dict[str, Any] | None:
-    """``LLM.apply_model`` helper: the proposer's counters and live draft states."""
+    """``LLM.apply_model`` helper: the proposer's counters, live draft states and the step costs
+    measured during the job (their samples start afresh for the next job)."""
     p = getattr(model, "_vericache_proposer", None)
-    return None if p is None else p.report()
+    return None if p is None else p.report(reset_costs=True)
 
 
 def _latencies(outs: list) -> dict[str, list[float]]:
