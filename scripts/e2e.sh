@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The end-to-end modules (tests/e2e), each in a fresh pytest process, in two lanes at once.
+# The end-to-end modules (tests/e2e, and the real run of tests/benchmarks/test_vllm_decode.py), each in a fresh pytest process, in two lanes at once.
 #
 # Fresh processes: a vLLM engine with the custom proposer aborts at start-up when it follows the
 # LMCache MP-connector test in the same pytest process (each passes alone and in the other order;
@@ -14,7 +14,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
-lane_a="tests/e2e/test_vericache_connector_vllm.py tests/e2e/test_engine_faults.py tests/e2e/test_shared_prefix.py"
+lane_a="tests/e2e/test_vericache_connector_vllm.py tests/e2e/test_engine_faults.py tests/e2e/test_shared_prefix.py tests/benchmarks/test_vllm_decode.py"
 lane_b="tests/e2e/test_vllm_proposer.py tests/e2e/test_lmcache_mp_vllm.py tests/e2e/test_generate_cli.py"
 listed=" $lane_a $lane_b "
 for f in tests/e2e/test_*.py; do  # a new module joins the shorter lane rather than being skipped

