@@ -165,11 +165,12 @@ class DraftCaches:
             rt, c = self.rt, self.chunk_size
             probe = torch.randn(2, rt.num_layers, c, rt.num_kv_heads * rt.head_dim).to(rt.dtype)
             ckv = self.compressor.compress(probe, rt.num_kv_heads)
-            if self.kind in ("int8", "codebook", "chunked"):
+            if self.kind == "chunked":  # an arena slot per chunk (not probed through the shared arena)
+                self._ratio = self.arena.slot_bytes / ckv.full_nbytes
+            elif self.kind in ("int8", "codebook"):
                 cache = self.new()
                 self.append(cache, [ckv])
                 self._ratio = cache.packed.nbytes / ckv.full_nbytes
-                cache.release()
             else:
                 self._ratio = sum(chunk_entries(ckv)) / (rt.num_layers * c)
         return self._ratio

@@ -82,6 +82,10 @@ def test_append_length_and_bytes(rt, prompt, kind):
     dense = cache.capacity * rt.kv_bytes_per_token()
     owned = cache.packed is not None and not type(cache.packed).arena_backed
     assert caches.nbytes(cache) == dense + (cache.packed.nbytes if owned else 0)
+    # What a draft step reads of a chunk, measured without touching a shared arena.
+    before = caches.arena.capacity if caches.arena is not None else None
+    assert 0 < caches.read_ratio() <= 1
+    assert (caches.arena.capacity if caches.arena is not None else None) == before
     # One sizing rule: room for the chunks' dense entries and what follows them.
     assert caches.need(rt.new_cache(0), ckvs, TAIL) == (CHUNKS * C if kind == "dense" else 0) + TAIL
 
