@@ -78,3 +78,17 @@ def test_not_adaptive_always_drafts_max():
 ])
 def test_bytes_bound(weights, kv, ratio, pays):
     assert may_pay(weights, kv, ratio) is pays
+
+
+def test_vllms_first_verify_step_is_no_sample():
+    clock = Clock()
+    h = StepHorizon(8, adaptive=True, clock=clock)
+    lengths = [1000, 1000]
+    h.begin(lengths, [])
+    h.end(4, 0.2)
+    for verify in (4.0, 0.5):  # the first verify pays one-off costs in vLLM
+        clock.t += verify
+        lengths = [n + 5 for n in lengths]
+        h.begin(lengths, [(4, 4), (4, 4)])
+        h.end(h.L, 0.05 * h.L)
+    assert list(h.verify_step_s) == [0.5]
