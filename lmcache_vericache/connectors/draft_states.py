@@ -70,11 +70,17 @@ class DraftStates:
             return self._clone(best) or self._new()
         return best if best is not None else self._new()
 
-    def owners(self, rows: list[np.ndarray]) -> list[DraftState]:
-        """States some row still extends (a quiet step keeps them; they catch up when drafting)."""
-        return [st for st in self.states if any(  # the last token first: a full compare only for owners
-            len(r) > len(st.tokens) and (not len(st.tokens) or r[len(st.tokens) - 1] == st.tokens[-1])
-            and np.array_equal(r[:len(st.tokens)], st.tokens) for r in rows)]
+    def owners(self, rows: list[np.ndarray]) -> list[tuple[DraftState, np.ndarray]]:
+        """States some row still extends, each with that row (a quiet step keeps them; they catch up
+        when drafting; the row's length tells the last proposal's acceptance)."""
+        out = []
+        for st in self.states:
+            m = len(st.tokens)
+            row = next((r for r in rows if len(r) > m and (not m or r[m - 1] == st.tokens[-1])  # cheap test first
+                        and np.array_equal(r[:m], st.tokens)), None)
+            if row is not None:
+                out.append((st, row))
+        return out
 
     def keep(self, kept: list[DraftState]) -> None:
         """This step's states; the others' (finished or preempted requests) are dropped."""

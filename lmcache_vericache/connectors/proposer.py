@@ -137,7 +137,7 @@ class CompressedKVProposer:
         hold = DeviceHold(limit)
         hold.take(rt.device)
         self.budget = DraftBudget(limit, on_charge=hold.release)
-        self.sync = DraftSync(rt, lambda: self.budget, self._caches_of_source, self.opts.window, self._kv_layout)
+        self.sync = DraftSync(rt, lambda: self.budget, self.caches_for, self.opts.window, self._kv_layout)
         self.context.drafter.attach(rt, self.budget, self.caches_for_chunks)
 
     def propose(self, sampled_token_ids: list, num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray,
@@ -152,8 +152,9 @@ class CompressedKVProposer:
         pre = self._load_drafts(out, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) if self.context.drafter.pending() else set()
         lengths = [int(num_tokens_no_spec[i]) if len(s) else -1 for i, s in enumerate(sampled_token_ids)]
         rows = {i: token_ids_cpu[i, :n] for i, n in enumerate(lengths) if n > 0}
-        owners = self.states.owners(list(rows.values()))
-        rounds = [(st.drafted, a) for st in owners if (a := self._accepted(st, rows)) is not None]
+        owned = self.states.owners(list(rows.values()))  # (state, the row extending it)
+        owners = [st for st, _ in owned]
+        rounds = [(st.drafted, a) for st, row in owned if (a := accepted_of(st, len(row))) is not None]
         self.horizon.begin(lengths, rounds)
         bound = not self.opts.adaptive or self._may_pay(lengths)
         L = self.horizon.L if bound else 0
@@ -205,7 +206,9 @@ class CompressedKVProposer:
     # -- draft caches -----------------------------------------------------------------------------
     def caches_for(self, source: ChunkSource | None) -> DraftCaches:
         """The draft caches of ``source``'s chunks (the KV connector's store), else of our own options."""
-        return self._caches_of_source(source)
+        if source is None:
+            return self.caches_for_chunks(self.compressor, self.opts.chunk_size)
+        return self.caches_for_chunks(source.store.compressor, source.chunk_size)
 
     def caches_for_chunks(self, compressor: KVCompressor, chunk_size: int) -> DraftCaches:
         """The draft caches of chunks of ``compressor`` (the load drafter's: a load's store chunks)."""
@@ -224,11 +227,6 @@ class CompressedKVProposer:
                 self._caches[key] = DraftCaches(rt, compressor, chunk_size)
         return self._caches[key]
 
-    def _caches_of_source(self, source: ChunkSource | None) -> DraftCaches:
-        if source is None:
-            return self.caches_for_chunks(self.compressor, self.opts.chunk_size)
-        return self.caches_for_chunks(source.store.compressor, source.chunk_size)
-
     def _new_state(self) -> DraftState:
         source = self.context.source
         return DraftState(self.caches_for(source).new(), np.empty(0, dtype=np.int32), source)
@@ -242,13 +240,6 @@ class CompressedKVProposer:
     def _drop_state(self, st: DraftState) -> None:
         self.budget.give(st.nbytes)
         st.cache.release()
-
-    @staticmethod
-    def _accepted(st: DraftState, rows: dict[int, np.ndarray]) -> int | None:
-        for row in rows.values():
-            if len(row) > len(st.tokens) and np.array_equal(row[:len(st.tokens)], st.tokens):
-                return accepted_of(st, len(row))
-        return None
 
     def _kv_layout(self) -> KVLayout:
         """The layout strategy of vLLM's caches (the CPU probe or the logical view: :mod:`.kv_layout`)."""
