@@ -54,12 +54,14 @@ class DraftBudget:
         self._lock = threading.Lock()
         self.on_charge = on_charge
 
-    def grow(self, old: int, new: int) -> bool:
-        """Replace a buffer of ``old`` bytes by one of ``new`` (``old = 0``: a new cache). Both exist
-        while the old one is copied, so the growth is admitted only if ``held + new <= limit``;
-        ``False`` charges nothing."""
+    def grow(self, old: int, new: int, copying: int | None = None) -> bool:
+        """Replace a buffer of ``old`` bytes by one of ``new`` (``old = 0``: a new cache). ``copying``
+        of the old bytes (default all of them) exist beside the new ones while they are copied, so
+        the growth is admitted only if ``held - old + new + copying <= limit``; ``False`` charges
+        nothing."""
+        copying = old if copying is None else copying
         with self._lock:
-            if self.held + new > self.limit:
+            if self.held - old + new + copying > self.limit:
                 return False
             self.held += new - old
         if self.on_charge is not None:

@@ -151,7 +151,7 @@ class DraftSync:
         grown = caches.nbytes(st.cache, entries=entries)
         if caches.kind in ("int8", "codebook"):
             grown += math.ceil(sum(ckv.num_tokens for ckv in ckvs) * caches.read_ratio() * self.rt.kv_bytes_per_token())
-        if grown > st.nbytes and not self._budget().grow(st.nbytes, grown):
+        if grown > st.nbytes and not self._budget().grow(st.nbytes, grown, caches.copying(st.cache, entries)):
             return False
         st.nbytes = max(grown, st.nbytes)
         st.cache.reserve(entries, exact=True)

@@ -158,6 +158,15 @@ class DraftCaches:
         p = cache.packed if cache is not None else None
         return dense + (p.nbytes if p is not None and not type(p).arena_backed else 0)
 
+    def copying(self, cache: KVCache, entries: int) -> int:
+        """Bytes of ``cache`` that exist twice while it grows to ``entries`` dense entries and takes
+        more chunks: its dense buffers where they are reallocated (``KVCache.reserve``), and one layer
+        of a packed prefix (int8 and codebook prefixes grow a layer at a time)."""
+        dense = cache.capacity * self.rt.kv_bytes_per_token() if entries > cache.capacity else 0
+        p = cache.packed
+        packed = math.ceil(p.nbytes / self.rt.num_layers) if p is not None and not type(p).arena_backed else 0
+        return dense + packed
+
     def read_ratio(self) -> float:
         """Share of a chunk's full bytes a draft step reads for it, measured once on a random chunk:
         its stored bytes where packed, its decompressed entries (a quantizer keeps all) where dense."""
@@ -194,11 +203,14 @@ class DraftCaches:
 
     def auto_bytes(self, requests: int, max_len: int, exact: int) -> int:
         """Bytes ``requests`` draft caches of ``max_len`` tokens take: their dense entries (kept per
-        chunk plus ``exact``, in whole chunks) and their packed prefixes at :meth:`read_ratio`."""
+        chunk plus ``exact``, in whole chunks) and their packed prefixes at :meth:`read_ratio`, plus
+        what one of them holds twice while it grows (:meth:`copying`), so that the last request's
+        growth is not refused when every cache is near ``max_len``."""
         c = self.chunk_size
         dense = math.ceil((math.ceil(max_len * self.kept_per_chunk() / c) + exact) / c) * c
         packed = math.ceil(max_len * self.read_ratio()) if self.packed else 0
-        return requests * (dense + packed) * self.rt.kv_bytes_per_token()
+        growing = dense + math.ceil(packed / self.rt.num_layers)
+        return (requests * (dense + packed) + growing) * self.rt.kv_bytes_per_token()
 
 
 def chunk_entries(ckv: CompressedKV) -> list[int]:

@@ -35,7 +35,7 @@ class Target:
 
     def __init__(self, rt: Runtime, blocks: list[int], prompt: list[int], paged):
         self.rt, self.blocks, self.paged = rt, torch.tensor(blocks), paged
-        self.full = rt.new_cache(1024)
+        self.full = rt.new_cache(4096)
         self.tokens = list(prompt)
         self._compute(0)
 
@@ -67,9 +67,9 @@ class Target:
         self._compute(start)
 
 
-def cpu_paged(rt):
+def cpu_paged(rt, blocks=12):
     """vLLM's CPU attention backend's caches (its tiles, 128-token blocks)."""
-    caches = [torch.zeros(12, rt.num_kv_heads, B, 2 * rt.head_dim) for _ in range(rt.num_layers)]
+    caches = [torch.zeros(blocks, rt.num_kv_heads, B, 2 * rt.head_dim) for _ in range(rt.num_layers)]
     return SimpleNamespace(layout=CpuBlockLayout(caches, lambda: ["vec"] * len(caches)), block_size=B)
 
 
@@ -84,12 +84,12 @@ def cuda_paged(rt, kernel_block=16, vllm_block=64):
     return SimpleNamespace(layout=LogicalLayout(caches), block_size=kernel_block)
 
 
-def make(tiny_model, compressor="none", max_num_seqs=4, paged=cpu_paged, **opts):
+def make(tiny_model, compressor="none", max_num_seqs=4, paged=cpu_paged, max_model_len=4096, **opts):
     # The adaptive horizon would choose plain steps where drafting measures slower (test_horizon_*
     # below); these tests are about the draft state: every step drafts max_draft tokens.
     opts = {"adaptive": False, **opts}
     cfg = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=K),
-                          model_config=SimpleNamespace(max_model_len=4096),
+                          model_config=SimpleNamespace(max_model_len=max_model_len),
                           scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
                           additional_config={"vericache_proposer": {"compressor": compressor, **opts}})
     p = CompressedKVProposer(cfg)
@@ -108,7 +108,7 @@ def set_table(p, blocks):
 
 
 def call(p, targets):
-    rows = np.zeros((4, 1024), dtype=np.int32)
+    rows = np.zeros((4, 4096), dtype=np.int32)
     for i, t in enumerate(targets):
         rows[i, :len(t.tokens)] = t.tokens
     set_table(p, [t.blocks.tolist() for t in targets])
@@ -212,15 +212,36 @@ def test_auto_budget_fits_max_num_seqs_requests_at_the_compressors_size(tiny_mod
     per_token = 2 * 2 * 2 * 32 * 4
     p, _ = make(tiny_model, compressor="streamingllm", compressor_params={"keep_ratio": 0.25}, max_num_seqs=3)
     assert p.opts.draft_cache_bytes == "auto" and p.rt.kv_bytes_per_token() == per_token
-    # streamingllm keeps 32 of 128: 4096 * 32/128 = 1024 entries + 128 + 0 + 4 = 1156 -> 1280.
-    assert p.budget.limit == 3 * 1280 * per_token
+    # streamingllm keeps 32 of 128: 4096 * 32/128 = 1024 entries + 128 + 0 + 4 = 1156 -> 1280, and one
+    # more cache's worth: a dense cache is copied whole while it grows.
+    assert p.budget.limit == (3 + 1) * 1280 * per_token
     p, _ = make(tiny_model, compressor="int8", window=16, max_num_seqs=2, int8_draft=False)  # dense: every entry
-    assert p.budget.limit == 2 * 4352 * per_token  # 4096 + 128 + 16 + 4 = 4244 -> 4352
+    assert p.budget.limit == (2 + 1) * 4352 * per_token  # 4096 + 128 + 16 + 4 = 4244 -> 4352
     p, _ = make(tiny_model, compressor="int8", window=16, max_num_seqs=2)  # codes: their stored share, plus the suffix
-    ratio = p.caches_for(None).read_ratio()
-    assert p.budget.limit == 2 * (256 + int(np.ceil(4096 * ratio))) * per_token  # 148 dense -> 256
+    packed = int(np.ceil(4096 * p.caches_for(None).read_ratio()))
+    growing = 256 + int(np.ceil(packed / 2))  # one cache's dense buffers and one of its 2 layers, held twice while it grows
+    assert p.budget.limit == (2 * (256 + packed) + growing) * per_token  # 148 dense -> 256
     p, _ = make(tiny_model, draft_cache_bytes=12345)
     assert p.budget.limit == 12345
+
+
+def test_auto_budget_lets_every_request_grow_to_max_model_len(tiny_model):
+    # max_num_seqs requests near max_model_len, each taking a new chunk into its int8 prefix: the prefix
+    # grows a layer at a time, so a growth holds one layer twice, not the whole prefix (vLLM at 8k /
+    # batch 8 refused drafts to some of its requests when every growth was charged old + new).
+    p, paged = make(tiny_model, compressor="int8", max_num_seqs=4, max_model_len=2100,
+                    paged=lambda rt: cpu_paged(rt, blocks=68))
+    assert p.caches_for(None).kind == "int8"
+    g = torch.Generator().manual_seed(5)
+    ts = [Target(p.rt, list(range(17 * j, 17 * j + 17)), torch.randint(0, 256, (2030,), generator=g).tolist(), paged)
+          for j in range(4)]
+    for _ in range(6):  # 2031 -> 2051 tokens: every request crosses 2048, a chunk boundary
+        out = call(p, ts)
+        assert [len(d) for d in out] == [K] * 4
+        for t in ts:
+            t.accept(K - 1)
+    assert p.sync.stats.over_budget == 0 and p.sync.stats.chunks == 4 * 16
+    assert p.budget.held <= p.budget.limit
 
 
 def test_auto_budget_on_a_gpu_takes_at_most_a_share_of_vllms_memory():
@@ -257,7 +278,9 @@ def test_growth_counts_old_and_new_buffer_and_zero_budget_drafts_nothing(tiny_mo
     b = DraftBudget(100)
     assert b.grow(0, 60) and b.held == 60
     assert not b.grow(60, 50) and b.held == 60  # 60 + 50 exist at once during the copy
-    assert b.grow(60, 40) and b.held == 40
+    assert b.grow(60, 70, copying=30) and b.held == 70  # only 30 of the old 60 copied at a time: 70 + 30
+    assert not b.grow(70, 80, copying=30) and b.held == 70
+    assert b.grow(70, 40) and b.held == 40
     b.give(40)
     assert b.held == 0
     p, paged = make(tiny_model, draft_cache_bytes=0)
