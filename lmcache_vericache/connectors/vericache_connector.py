@@ -68,6 +68,7 @@ from ..backends.keys import KeySpace, folder_fingerprint
 from ..options import parse_options
 from .paged_transfer import ConnectorStats, LoadSpec, PagedTransfer, SaveSpec, build_transfer
 from .vllm_stats import IntervalCounter, VeriCacheConnectorPromMetrics, VeriCacheConnectorStats, snapshot
+from .vllm_version import check_connector
 from .worker_context import ChunkSource, WorkerContext
 
 logger = logging.getLogger("vllm." + __name__)  # shown by vLLM's log handler
@@ -142,6 +143,7 @@ class VeriCacheConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        check_connector()
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.opts, config = parse_extra_config(extra)
         mc, pc = vllm_config.model_config, vllm_config.parallel_config
@@ -186,6 +188,40 @@ class VeriCacheConnector(KVConnectorBase_V1):
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
         return None  # any layout: the logical view indexes them all (module docstring)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A best-effort cache: nothing is handed off when a request ends (saves copy the KV out during
+        its step), so a preempted request need not be recomputed for a pending hand-off."""
+        return False
+
+    # Hooks vLLM 0.34 added (KVConnectorBase_V1, optional; earlier vLLMs never call them).
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """Sleep mode keeps the KV cache's tensors (their memory is unmapped and mapped again): the
+        connector registers nothing with a transport, so it follows the remap."""
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        """Before sleep: queued saves are written (their host copies were taken during their step), so
+        nothing reads the cache while it is unmapped. Idempotent."""
+        if self.transfer is not None:
+            self.transfer.flush()
+
+    def restore_kv_caches(self) -> None:
+        """After wake-up: the same tensors again, nothing to register. Idempotent."""
+
+    def may_load_async(self, request: Any) -> bool:
+        """Whether a lookup may report an asynchronous load for ``request`` (vLLM 0.34 asks when it
+        enters the waiting queue, lets such loads start while the batch is full, and asks it to be
+        cheap): the store holds the prompt's first chunk. A store that fails is no."""
+        prompt = request.prompt_token_ids or []
+        if not self.opts.load or len(prompt) <= self.opts.chunk_size:
+            return False
+        try:
+            return self._has_everywhere(self.space.token_keys(list(prompt[:self.opts.chunk_size]))[0])
+        except Exception:  # a dead store is a miss
+            return False
 
     def _rank_spaces(self, mc: Any, pc: Any) -> list[KeySpace]:
         """The key space of each (TP rank, PP stage): its shard names its KV heads and layers."""

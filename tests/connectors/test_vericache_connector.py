@@ -285,3 +285,36 @@ def test_the_package_logs_through_vllms_handler_inside_vllm():
     line = [ln for ln in (out.stdout + out.stderr).splitlines() if "GET failed" in ln]
     # vLLM's format: level, time, [file:line], message (not the bare message of Python's last resort)
     assert len(line) == 1 and re.search(r"ERROR \S+ \S+ \[<string>:1\] redis tier x", line[0]), out.stdout + out.stderr
+
+
+def test_hooks_of_newer_vllms(tmp_path, monkeypatch):
+    """The optional hooks vLLM 0.34 added (0.32 never calls them): a waiting request may load
+    asynchronously only if the store holds its first chunk; sleep is safe once queued saves are
+    written (unregister_kv_caches waits for them); a preempted request needs no KV hand-off."""
+    import threading
+
+    from lmcache_vericache.connectors.paged_transfer import ConnectorStats, SaveSpec, build_transfer
+
+    c = scheduler({"capacity": "disk", "disk_path": str(tmp_path / "kv")})
+    prompt, keys = _stored_prefix(c, 3 * CHUNK, 1)
+    assert c.may_load_async(request("a", prompt))
+    assert not c.may_load_async(request("b", [1] + prompt[1:]))  # first chunk not stored
+    assert not c.may_load_async(request("c", prompt[:CHUNK]))  # no chunk before the last token
+    assert VeriCacheConnector.supports_sleep_mode(c._kv_transfer_config) and not c.requires_kv_delivery
+    c.unregister_kv_caches()  # no transfer on the scheduler side: nothing to drain
+    c.restore_kv_caches()
+
+    # Worker side: a save queued behind a slow store is written before unregister_kv_caches returns.
+    caches = {f"model.layers.{i}.self_attn.attn": torch.randn(4, 3, 128, 128) for i in range(30)}
+    release = threading.Event()
+    put = c.store.put
+    monkeypatch.setattr(c.store, "put", lambda *a, **k: (release.wait(5), put(*a, **k))[1])
+    c.transfer = build_transfer(caches, lambda names: ["vec"] * len(names), c.store, c.space, num_kv_heads=3,
+                                chunk_size=CHUNK, block_size=128, draft_tokens=0, load_timeout_s=5.0,
+                                pinned_pool_bytes=1 << 20, stats=ConnectorStats())
+    c.transfer.save([SaveSpec("a", [(keys[1], CHUNK)], [0, 1, 2, 3])])
+    assert not c.store.has_full(keys[1])
+    threading.Timer(0.3, release.set).start()
+    c.unregister_kv_caches()
+    assert c.store.has_full(keys[1])
+    c.transfer.close()

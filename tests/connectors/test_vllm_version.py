@@ -26,3 +26,10 @@ def test_proposer_on_vllm_034_fails_at_start_naming_version_range_and_way_out(mo
     cfg = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=4))
     with pytest.raises(RuntimeError, match=r"vLLM >= 0\.32, < 0\.34.*this is vLLM 0\.34\.0.*KV connector alone"):
         CompressedKVProposer(cfg)
+
+
+def test_connector_warns_outside_its_tested_range(caplog):
+    assert vllm_version.check_connector(Version("0.32.0+cpu"))
+    with caplog.at_level("WARNING", logger=vllm_version.logger.name):
+        assert not vllm_version.check_connector(Version("0.36.0"))
+    assert "tested with vLLM >= 0.32, < 0.35; this is vLLM 0.36.0" in caplog.text
