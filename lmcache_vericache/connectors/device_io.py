@@ -72,6 +72,11 @@ class StreamOps(ABC):
     def d2h(self, host: Tensor, dev: Tensor) -> None:
         """Copy ``dev`` into pinned ``host``, non-blocking on the current stream."""
 
+    @abstractmethod
+    def keep(self, dev: Tensor, stream: Any) -> None:
+        """``dev`` (allocated on another stream) is not reused before the work enqueued on ``stream``
+        so far completed, although the caller drops it now (the caching allocator's stream use)."""
+
 
 class TorchCuda(StreamOps):
     """:class:`StreamOps` of ``torch.cuda`` on ``device``."""
@@ -111,6 +116,9 @@ class TorchCuda(StreamOps):
     def d2h(self, host: Tensor, dev: Tensor) -> None:
         host.copy_(dev, non_blocking=True)
 
+    def keep(self, dev: Tensor, stream: Any) -> None:
+        dev.record_stream(stream)
+
 
 class Pending:
     """Device work in flight: ``ready()`` once it completed (``event`` ``None``: already done)."""
@@ -126,8 +134,8 @@ class HostCopy:
     """A saved chunk on its way to host memory (see :class:`DeviceIO`)."""
 
     def __init__(self, host: Tensor, wait: Callable[[], None] = lambda: None,
-                 release: Callable[[], None] = lambda: None, keep: Tensor | None = None) -> None:
-        self._host, self._wait, self._release, self._keep = host, wait, release, keep
+                 release: Callable[[], None] = lambda: None) -> None:
+        self._host, self._wait, self._release = host, wait, release
 
     def result(self) -> Tensor:
         """The chunk in host memory, after its copy completed (blocks until then)."""
@@ -136,10 +144,9 @@ class HostCopy:
         return self._host
 
     def release(self) -> None:
-        """Hand the host memory back (after ``put`` copied it). Waits for the copy first: the device
-        source must outlive it, and so must the slab."""
+        """Hand the host memory back (after ``put`` copied it). Waits for the copy first: the slab
+        must outlive it."""
         self.result()
-        self._keep = None
         self._release()
 
 
@@ -245,10 +252,18 @@ class CudaIO(DeviceIO):
                 write(self.ops.h2d(host))  # the device copy lives on the load stream until written
                 event = self.ops.record(self.load_stream)
         except BaseException:
-            self.pool.release(slab)
+            self._free_after(slab, self.load_stream)
             raise
         self.pool.release(slab, after=event)
         return Pending(self.ops, event)
+
+    def _free_after(self, slab: int, stream: Any) -> None:
+        """A failed copy's slab: free once what was enqueued on ``stream`` completed (an upload may
+        have been enqueued before the error), never at once."""
+        try:
+            self.pool.release(slab, after=self.ops.record(stream))
+        except BaseException:  # no event to wait for (the device failed): the slab stays out
+            pass
 
     def save(self, gather: Callable[[], Tensor]) -> HostCopy | None:
         slab = self.pool.acquire(0)
@@ -259,9 +274,9 @@ class CudaIO(DeviceIO):
             with self._on(self.save_stream, self.mark()):
                 host = self.pool.view(slab, dev.shape, dev.dtype)
                 self.ops.d2h(host, dev)
+                self.ops.keep(dev, self.save_stream)  # the gathered chunk freed once copied, not once put
                 event = self.ops.record(self.save_stream)
         except BaseException:
-            self.pool.release(slab)
+            self._free_after(slab, self.save_stream)
             raise
-        # ``keep`` holds the device source (allocated on the compute stream) until the copy completed.
-        return HostCopy(host, lambda: self.ops.synchronize(event), lambda: self.pool.release(slab), keep=dev)
+        return HostCopy(host, lambda: self.ops.synchronize(event), lambda: self.pool.release(slab))

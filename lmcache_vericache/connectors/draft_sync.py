@@ -25,7 +25,7 @@ from ..engine.cache import kv_to_2ltd
 from ..engine.draft_cache import DraftCaches
 from .draft_budget import DraftBudget
 from .draft_states import DraftState
-from .kv_layout import KVLayout
+from .kv_layout import KVLayout, slots_to
 
 Tensor = torch.Tensor
 
@@ -91,7 +91,7 @@ class DraftSync:
         ranges = [[(s, s + p.caches.chunk_size) for s in p.compress] + [p.suffix] for p in plans]
         slots = [tables.slots(i, a, b) for (_, i, _, _), rs in zip(work, ranges) for a, b in rs if b > a]
         if slots:
-            k, v = self.layout().gather(_to_device(torch.from_numpy(np.concatenate(slots)), self.rt.device))
+            k, v = self.layout().gather(slots_to(torch.from_numpy(np.concatenate(slots)), self.rt.device))
         done, at = [], 0
         for p, rs in zip(plans, ranges):
             parts = []
@@ -162,10 +162,3 @@ class DraftSync:
         held = caches.nbytes(st.cache)
         self._budget().adjust(st.nbytes, held)
         st.nbytes = held
-
-
-def _to_device(slots: Tensor, device: torch.device) -> Tensor:
-    """One copy of a step's slots to ``device`` (pinned and non-blocking on CUDA: no sync)."""
-    if device.type == "cuda":
-        return slots.pin_memory().to(device, non_blocking=True)
-    return slots

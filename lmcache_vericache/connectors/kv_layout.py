@@ -99,7 +99,7 @@ class LogicalLayout(KVLayout):
         return len(self.groups) == 1 and self.num_layers > 1
 
     def _index(self, slots: Tensor) -> tuple[Tensor, Tensor]:
-        slots = slots.to(self.device, torch.long)
+        slots = slots_to(slots, self.device)
         n = self.layers[0].shape[2]  # the kernel block: vLLM's block or a divisor of it
         return slots // n, slots % n
 
@@ -117,6 +117,16 @@ class LogicalLayout(KVLayout):
         for g in self.groups:
             g[:, blk, :, off] = kv[:, first:first + g.shape[0]]
             first += g.shape[0]
+
+
+def slots_to(slots: Tensor, device: torch.device) -> Tensor:
+    """``slots`` (host) as int64 on ``device``. On CUDA through pinned memory, non-blocking: a copy
+    from pageable memory would make the host wait for the stream it is enqueued on (vLLM's compute
+    stream when a save or a draft step reads the cache), a device slot set is ready in stream order."""
+    slots = slots.to(torch.long)
+    if torch.device(device).type == "cuda" and slots.device.type == "cpu":
+        return slots.pin_memory().to(device, non_blocking=True)
+    return slots.to(device)
 
 
 def stacked_layers(layers: list[Tensor]) -> list[Tensor]:

@@ -79,5 +79,8 @@ class FakeStreams(StreamOps):
         self.note("d2h")
         host.copy_(dev)
 
+    def keep(self, dev: torch.Tensor, stream: str) -> None:
+        self.note("keep", stream)
+
     def ops(self, *names: str) -> list[tuple[str, str, str]]:
         return [e for e in self.log if e[0] in names]

@@ -118,16 +118,40 @@ def test_a_save_gathers_on_compute_and_is_put_after_its_copy_completed():
     finally:
         t.close()
     names = [e[0] for e in fake.log]
-    assert names == ["gather", "record", "wait", "d2h", "record", "sync", "put"]
-    gather, mark, wait, d2h, event, sync, _ = fake.log
+    assert names == ["gather", "record", "wait", "d2h", "keep", "record", "sync", "put"]
+    gather, mark, wait, d2h, keep, event, sync, _ = fake.log
     assert gather[1] == mark[1] == "compute" and wait[2] == mark[2]
     assert wait[1] == d2h[1] == event[1] != "compute" and sync[2] == event[2]
+    assert keep[2] == d2h[1]  # the gathered chunk is the save stream's until its copy completed, not until put
     assert puts == [key]
     got = store.get_full(key)
     store.close()
     k, v = backend_kv(caches[1], pl.slots_for(torch.tensor([5, 2]), 0, CHUNK, BLOCK))
     assert torch.equal(got[0, 1].view(CHUNK, H, -1).transpose(0, 1), k)
     assert torch.equal(got[1, 1].view(CHUNK, H, -1).transpose(0, 1), v)
+
+
+@pytest.mark.parametrize("what", ["load", "save"])
+def test_a_failed_copy_frees_its_slab_only_after_what_was_enqueued_before_the_error(what):
+    # An upload (or download) may be in flight when the next step fails: the slab it reads must not
+    # be handed to another copy before the device finished with it.
+    store, caches, fake, t = rig(slabs=1)
+    io = t.io
+    store.close()
+    t.close()
+
+    def broken(*_):
+        raise RuntimeError("failed after the copy was enqueued")
+
+    with pytest.raises(RuntimeError, match="after the copy"):
+        if what == "load":
+            io.load(torch.randn(2, L, CHUNK, H * D), None, broken)
+        else:
+            fake.d2h = lambda host, dev: (FakeStreams.d2h(fake, host, dev), broken())
+            io.save(lambda: torch.randn(2, L, CHUNK, H * D))
+    assert io.pool.acquire(0) is None  # the slab waits for the failed copy's event
+    fake.complete()
+    assert io.pool.acquire(0) is not None
 
 
 def test_a_pool_smaller_than_one_chunk_fails_naming_the_option():
