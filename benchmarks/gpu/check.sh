@@ -8,7 +8,7 @@
 # Python) put on PYTHONPATH with the repo; the vllm stage is skipped (no vLLM, no model there) and
 # the engine stage runs SmolLM2's shape with random weights (the model does not travel).
 #
-# Stages, in order, each with its own time limit: install, facts, pcie, attention, vllm, engine. Each
+# Stages, in order, each with its own time limit: install, facts, pcie, tests, attention, vllm, engine. Each
 # prints exactly one JSON line on stdout, also appended to $OUT/gpu_check.jsonl ($OUT defaults to
 # benchmarks/results/gpu); its log is $OUT/<stage>.log. A failed stage does not stop the next.
 # A stage's limit is what is left of the budget less the nominal seconds of the stages after it (so
@@ -28,15 +28,15 @@ DRY=${GPU_CHECK_DRY_RUN:-0}
 VENV=${GPU_CHECK_VENV:-/tmp/vericache-gpu-venv}
 SYS_PY=$(command -v python3)
 G=benchmarks/gpu
-NAMES=(install facts pcie attention vllm engine)
-NOMINAL=(190 10 20 45 120 85)  # seconds; online, they sum to the default budget
+NAMES=(install facts pcie tests attention vllm engine)
+NOMINAL=(160 10 20 60 45 90 85)  # seconds; online, they sum to the default budget
 OFFLINE=${GPU_CHECK_OFFLINE:-}
 if [[ -z $OFFLINE && $DRY != 1 ]]; then
   "$SYS_PY" -c "import urllib.request as u; u.urlopen('https://pypi.org/simple/pip/', timeout=5)" 2>/dev/null \
     && OFFLINE=0 || OFFLINE=1
 fi
 if [[ $DRY == 1 ]]; then PY=${GPU_CHECK_PYTHON:-python3}; FLAG=--dry-run
-elif [[ $OFFLINE == 1 ]]; then PY=$SYS_PY; FLAG=; NOMINAL=(20 10 20 60 0 160)
+elif [[ $OFFLINE == 1 ]]; then PY=$SYS_PY; FLAG=; NOMINAL=(20 10 20 60 60 0 160)
 else PY=$VENV/bin/python; FLAG=; fi
 START=$SECONDS
 
@@ -75,6 +75,7 @@ else
 fi
 stage facts "$PY" $G/facts.py $FLAG
 stage pcie "$PY" $G/pcie.py $FLAG
+stage tests "$PY" $G/gpu_tests.py $FLAG
 if [[ -f $G/attention.py ]]; then
   stage attention "$PY" $G/attention.py --json $FLAG
 else

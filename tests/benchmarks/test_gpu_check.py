@@ -17,7 +17,7 @@ import torch
 
 ROOT = Path(__file__).parents[2]
 GPU = ROOT / "benchmarks" / "gpu"
-STAGES = ["install", "facts", "pcie", "attention", "vllm", "engine"]
+STAGES = ["install", "facts", "pcie", "tests", "attention", "vllm", "engine"]
 
 
 def check(tmp_path: Path, **env: str) -> tuple[list[dict], list[dict]]:
@@ -60,6 +60,8 @@ def test_dry_run_prints_one_line_per_stage_and_appends_the_same_lines(tmp_path):
             assert by[name]["ok"] is False and by[name]["error"].startswith("StageError: no CUDA"), by[name]
             assert "Traceback" not in (tmp_path / f"{name}.log").read_text()  # a clean failure, not a crash
         assert by["facts"]["results"]["versions"]["torch"] == torch.__version__
+    assert by["tests"]["ok"] and by["tests"]["results"]["collect_only"]  # tests/gpu collected, none run
+    assert by["tests"]["results"]["tests"] >= 30
     assert by["attention"]["ok"], by["attention"]  # its dry run: options and imports checked, the plan
     assert by["attention"]["results"]["dry_run"] and by["attention"]["results"]["batch"] == [32, 64]
     vllm = by["vllm"]["results"]["configs"]
@@ -85,7 +87,7 @@ def test_without_torch_as_after_a_failed_install_every_stage_still_gives_its_lin
 
 
 def test_a_small_budget_skips_the_stages_it_cannot_fit(tmp_path):
-    # 100 s: the later stages' nominal seconds (vllm 120 + engine 85, ...) leave facts and pcie under 10 s
+    # 100 s: the later stages' nominal seconds (tests 60 + vllm 90 + engine 85, ...) leave facts and pcie under 10 s
     _, lines = check(tmp_path, GPU_CHECK_BUDGET_S="100")
     by = {ln["stage"]: ln for ln in lines}
     assert [ln["stage"] for ln in lines] == STAGES
