@@ -15,7 +15,8 @@
   :meth:`HostCopy.release`. ``None``: no host memory free now (the caller drops the save).
 
 :class:`CpuIO` (vLLM's CPU backend) does everything synchronously on the calling thread.
-:class:`CudaIO` copies through a bounded pinned host pool (:class:`PinnedPool`) on its own load and
+:class:`CudaIO` copies through a bounded pinned host pool (the package's one
+:class:`~lmcache_vericache.engine.pinned_pool.PinnedPool`) on its own load and
 save streams, with an event per copy; it reaches the device only through :class:`StreamOps`
 (:class:`TorchCuda` on a GPU; tests drive it with a recording fake).
 """
@@ -23,13 +24,13 @@ save streams, with an event per copy; it reaches the device only through :class:
 from __future__ import annotations
 
 import contextlib
-import threading
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+from ..engine.pinned_pool import PinnedPool
 
 Tensor = torch.Tensor
 
@@ -174,50 +175,6 @@ class CpuIO(DeviceIO):
         return HostCopy(gather())  # gather copies: the blocks may be reused after this step
 
 
-class PinnedPool:
-    """``slabs`` equal slabs of one pinned host buffer. Thread-safe. A slab released after an event
-    is free again once that event completed (checked when a slab is wanted)."""
-
-    def __init__(self, ops: StreamOps, slab_bytes: int, slabs: int) -> None:
-        self.ops, self.slab_bytes = ops, slab_bytes
-        self._buffer = ops.pinned(slab_bytes * slabs)
-        self._free = list(range(slabs))
-        self._after: list[tuple[int, Any]] = []  # (slab, event) released once the event completes
-        self._cond = threading.Condition()
-
-    def acquire(self, timeout: float) -> int | None:
-        """A free slab, waiting up to ``timeout`` seconds for one; ``None`` if none came."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                done = [(s, e) for s, e in self._after if self.ops.query(e)]
-                for item in done:
-                    self._after.remove(item)
-                    self._free.append(item[0])
-                if self._free:
-                    return self._free.pop()
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                # Events do not notify: poll while copies are pending, else wait for a release.
-                self._cond.wait(min(left, 0.001) if self._after else left)
-
-    def release(self, slab: int, after: Any = None) -> None:
-        with self._cond:
-            if after is None:
-                self._free.append(slab)
-            else:
-                self._after.append((slab, after))
-            self._cond.notify()
-
-    def view(self, slab: int, shape: torch.Size, dtype: torch.dtype) -> Tensor:
-        nbytes = shape.numel() * dtype.itemsize
-        if nbytes > self.slab_bytes:
-            raise ValueError(f"pinned pool: a {nbytes}-byte chunk does not fit a {self.slab_bytes}-byte slab")
-        start = slab * self.slab_bytes
-        return self._buffer[start:start + nbytes].view(dtype).view(shape)
-
-
 class CudaIO(DeviceIO):
     """Loads and saves on their own streams through a pinned pool of ``pool_bytes`` in slabs of one
     chunk (``chunk_bytes``); a load waits up to ``wait_s`` for a slab, a save never waits."""
@@ -228,7 +185,7 @@ class CudaIO(DeviceIO):
             raise ValueError(f"pinned_pool_bytes = {pool_bytes} holds no chunk of this rank ({chunk_bytes} "
                              "bytes): raise it or lower chunk_size")
         self.ops, self.wait_s = ops, wait_s
-        self.pool = PinnedPool(ops, chunk_bytes, slabs)
+        self.pool = PinnedPool(chunk_bytes, slabs, alloc=ops.pinned, ready=ops.query)
         self.load_stream, self.save_stream = ops.new_stream(), ops.new_stream()
 
     @contextlib.contextmanager
@@ -242,12 +199,8 @@ class CudaIO(DeviceIO):
         return self.ops.record(self.ops.current_stream())
 
     def load(self, full: Tensor, after: Any, write: Callable[[Tensor], None]) -> Pending:
-        slab = self.pool.acquire(self.wait_s)
-        if slab is None:
-            raise TimeoutError(f"no pinned slab free within {self.wait_s} s")
+        slab, host = self.pool.stage(full, self.wait_s)
         try:
-            host = self.pool.view(slab, full.shape, full.dtype)
-            host.copy_(full)
             with self._on(self.load_stream, after):
                 write(self.ops.h2d(host))  # the device copy lives on the load stream until written
                 event = self.ops.record(self.load_stream)

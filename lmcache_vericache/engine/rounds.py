@@ -31,7 +31,7 @@ from .prefill import Prefiller
 from .request import Request
 from .residency import Residency
 from .runtime import Runtime, Segment
-from .swap import PinnedPool, SwapIn
+from .swap import Staging, SwapIn
 from .verify import Sampling, accept, host
 
 logger = logging.getLogger(__name__)
@@ -88,11 +88,11 @@ class Rounds:
     def __init__(self, rt: Runtime, prefiller: Prefiller, store: DualTierStore | None, *, chunk_size: int,
                  query_window: int, eos_ids: set[int], ngram: NgramProposer | None, verkv: bool,
                  sampling: Sampling, res: Residency, batch_horizon: Horizon | None,
-                 on_round: Callable[[Request], None] | None, swap_pool: PinnedPool | None = None):
+                 on_round: Callable[[Request], None] | None, swap_staging: Staging | None = None):
         self.rt, self.prefiller, self.store = rt, prefiller, store
         self.chunk_size, self.query_window, self.eos_ids = chunk_size, query_window, eos_ids
         self.ngram, self.verkv, self.sampling, self.res = ngram, verkv, sampling, res
-        self.batch_horizon, self.on_round, self.swap_pool = batch_horizon, on_round, swap_pool
+        self.batch_horizon, self.on_round, self.swap_staging = batch_horizon, on_round, swap_staging
         self._verified: list[VerifiedRound] = []
 
     # -- a round starts -----------------------------------------------------------------------------
@@ -104,7 +104,7 @@ class Rounds:
         if self.res.offload:  # a verify cache when its turn comes (first come, first served)
             self.res.waiting.append(r)
         elif r.prefix_missing:  # resident: a prefix read from the store is swapped in once
-            r.swap = SwapIn(self.store, r.keys, r.full, self.chunk_size, self.swap_pool)
+            r.swap = SwapIn(self.store, r.keys, r.full, self.chunk_size, self.swap_staging)
 
     def limit(self, r: Request, L: int | None = None) -> int:
         """Drafts of ``r``'s round: ``L`` (default its horizon's), capped by the tokens it still may
@@ -151,7 +151,7 @@ class Rounds:
                 full.k[:, :, r.prefix:r.start], full.v[:, :, r.prefix:r.start] = k, v
             full.n, r.full = r.start, full
             if r.prefix:
-                r.swap = SwapIn(self.store, r.keys, full, self.chunk_size, self.swap_pool)
+                r.swap = SwapIn(self.store, r.keys, full, self.chunk_size, self.swap_staging)
 
     # -- one forward --------------------------------------------------------------------------------
     def step(self, drafting: list[Request], verifying: list[Request]) -> None:

@@ -9,25 +9,24 @@ kv_heads*head_dim]``.
 copies each into the request's preallocated verify buffer as it arrives. The engine starts it when
 the round starts (a stored prefix's first round: right after the request's set-up) and waits for it
 just before verifying, so the copy hides behind drafting (and the later requests' set-ups).
-On CUDA each chunk goes through a :class:`PinnedPool` buffer (pinned host memory reused across
-rounds: pinning per chunk costs more than the copy) and a non-blocking host-to-device copy on the
-pool's side stream; an event recorded after the last chunk is what the verify waits for (the compute
+On CUDA each chunk goes through a slab of the one pinned pool (:class:`Staging`: pinned host memory
+reused across rounds) and a non-blocking host-to-device copy on its side stream; an event recorded after the last chunk is what the verify waits for (the compute
 stream waits on it; the host does not).
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
 from ..workers import torch_serial
 from .cache import KVCache
+from .pinned_pool import PinnedPool
 
 Tensor = torch.Tensor
 
@@ -44,68 +43,35 @@ class Source(Protocol):
 _SWAP_POOL = ThreadPoolExecutor(2, thread_name_prefix="vericache-swap", initializer=torch_serial)
 
 
-class PinnedPool:
-    """At most ``buffers`` host buffers (pinned where ``pin``), reused across rounds and requests,
-    and the side ``stream`` the swaps copy on (CUDA, on ``device``: the device the copies write to,
-    else events recorded on the stream would not cover them; ``None`` elsewhere).
+@dataclass
+class Staging:
+    """What the swaps of a CUDA engine copy through: slabs of the one pinned pool (:mod:`.pinned_pool`)
+    and the side ``stream`` the copies run on (on the device they write to, else events recorded on
+    it would not cover them)."""
 
-    Ownership and threading: the pool owns its buffers; any thread may :meth:`take` one, which
-    blocks while all are lent. :meth:`give` hands one back with the ``event`` of the copy reading
-    it; the buffer is lent again only after that event completes (the copy is asynchronous)."""
+    pool: PinnedPool
+    stream: Any
 
-    def __init__(self, buffers: int = 4, pin: bool = True, stream=None, device: torch.device | str | None = None):
-        if buffers < 1:
-            raise ValueError(f"buffers must be >= 1, got {buffers}")
-        self.size, self.pin = buffers, pin
-        self.stream = stream if stream is not None or not pin else torch.cuda.Stream(device=device)
-        self._free: deque[tuple[Tensor, object]] = deque()  # (buffer, event of its last copy)
-        self._made = 0
-        self._cond = threading.Condition()
-
-    def take(self, nbytes: int) -> Tensor:
-        """A buffer of at least ``nbytes`` bytes (uint8), free of any copy still reading it."""
-        with self._cond:
-            while not self._free and self._made >= self.size:
-                self._cond.wait()
-            if self._free:
-                buf, event = self._free.popleft()
-            else:
-                self._made += 1
-                buf, event = torch.empty(0, dtype=torch.uint8), None
-        if event is not None:
-            event.synchronize()
-        if buf.numel() < nbytes:  # chunks of one engine have one size: this happens once per buffer
-            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
-        return buf
-
-    def give(self, buf: Tensor, event=None) -> None:
-        with self._cond:
-            self._free.append((buf, event))
-            self._cond.notify()
-
-    def stage(self, kv: Tensor) -> tuple[Tensor, Tensor]:
-        """``(buffer, copy)``: ``kv`` copied into a buffer of the pool, viewed in its dtype and shape
-        (the caller gives the buffer back)."""
-        nbytes = kv.numel() * kv.element_size()
-        buf = self.take(nbytes)
-        view = buf[:nbytes].view(kv.dtype).view(kv.shape)
-        view.copy_(kv)
-        return buf, view
+    @classmethod
+    def on(cls, device: torch.device | str, slab_bytes: int, slabs: int = 4) -> Staging:
+        return cls(PinnedPool(slab_bytes, slabs), torch.cuda.Stream(device=device))
 
 
 class SwapIn:
     """One round's swap of ``keys`` into ``cache`` entries ``[i*chunk, (i+1)*chunk)`` (base 0)."""
 
     def __init__(self, source: Source, keys: list[str], cache: KVCache, chunk_size: int,
-                 pool: PinnedPool | None = None):
+                 staging: Staging | None = None):
         self.nbytes = 0
         self.seconds = 0.0
         self.misses: list[int] = []
         self._cache, self._chunk = cache, chunk_size
         self._stream = None
         if cache.k.is_cuda:
-            self._pool = pool if pool is not None else PinnedPool(1, device=cache.k.device)
-            self._stream = self._pool.stream
+            k = cache.k  # [layers, heads, entries, head_dim]: a chunk is 2 x layers x chunk_size x heads x head_dim
+            chunk_bytes = 2 * k.shape[0] * chunk_size * k.shape[1] * k.shape[3] * k.element_size()
+            self._staging = staging or Staging.on(k.device, chunk_bytes, slabs=1)
+            self._stream = self._staging.stream
             # The side stream must not copy before the compute stream's earlier work on these
             # buffers (the NaN poisoning, a previous verify still reading them) has run.
             self._stream.wait_stream(torch.cuda.current_stream(cache.k.device))
@@ -122,12 +88,12 @@ class SwapIn:
                 self.misses.append(i)
                 continue
             if self._stream is not None:
-                buf, staged = self._pool.stage(kv)
+                slab, staged = self._staging.pool.stage(kv)
                 with torch.cuda.stream(self._stream):
                     self._cache.load_2ltd(i * self._chunk, staged)  # non-blocking from pinned memory
                     done = torch.cuda.Event()
                     done.record(self._stream)
-                self._pool.give(buf, done)  # lent again once this copy has read it
+                self._staging.pool.release(slab, after=done)  # lent again once this copy has read it
             else:
                 self._cache.load_2ltd(i * self._chunk, kv)
             self.nbytes += kv.numel() * kv.element_size()

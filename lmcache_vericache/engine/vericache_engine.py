@@ -42,7 +42,7 @@ from .prefill import Prefiller
 from .request import Request, Result
 from .rounds import Rounds
 from .runtime import Runtime, Segment
-from .swap import PinnedPool
+from .swap import Staging
 from .verify import Sampling, host
 
 
@@ -101,7 +101,9 @@ class VeriCacheEngine:
                                    kv_budget_bytes, verify_buffers, int8_draft, model_id, triton_draft, codebook_draft)
         decoding = decoding_options(mode, verkv)
         self.rt = Runtime(model)
-        self.swap_pool = PinnedPool(device=self.rt.device) if self.rt.device.type == "cuda" else None
+        # CUDA: the swaps' pinned slabs (one chunk each) and side stream, kept across generate() calls.
+        self.swap_staging = (Staging.on(self.rt.device, chunk_size * self.rt.kv_bytes_per_token())
+                             if self.rt.device.type == "cuda" else None)
         #: Facts of the last ``generate()``: resolved mode, verify buffers, most requests at once, peak KV.
         self.last_run: dict[str, Any] = {}
         store_config, self.store, self._owns_store = resolve_store(store, compressor, compressor_params, decoding,
@@ -182,7 +184,7 @@ class VeriCacheEngine:
         rounds = Rounds(self.rt, self.prefiller, self.store, chunk_size=cfg.chunk_size,
                         query_window=cfg.query_window, eos_ids=self.eos_ids, ngram=self.ngram, verkv=verkv,
                         sampling=sampling, res=res, batch_horizon=None if stagger else horizon(), on_round=on_round,
-                        swap_pool=self.swap_pool)
+                        swap_staging=self.swap_staging)
         reqs: list[Request] = []
         started: list[Request] = []  # every request begun: the only ones a swap can run for
 

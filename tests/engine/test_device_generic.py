@@ -15,8 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lmcache_vericache.cli import main
 from lmcache_vericache.engine import VeriCacheEngine, prefill, request, rounds, vericache_engine, verify
+from lmcache_vericache.engine.pinned_pool import PinnedPool
 from lmcache_vericache.engine.runtime import Runtime, Segment
-from lmcache_vericache.engine.swap import PinnedPool
 from lmcache_vericache.models import tiny_llama
 
 TRANSFERS = {"aten::copy_", "aten::_to_copy", "aten::_foreach_copy_", "aten::lift_fresh"}
@@ -153,25 +153,29 @@ def test_cli_device_cuda_without_cuda_fails_fast(capsys):
 
 class _Event:
     def __init__(self):
-        self.synced = False
-
-    def synchronize(self):
-        self.synced = True
+        self.done = False
 
 
-def test_pinned_pool_reuses_a_bounded_set_of_buffers():
-    """At most ``buffers`` buffers; one given back is lent again only after its copy's event."""
-    pool = PinnedPool(2, pin=False)
-    a, b = pool.take(64), pool.take(64)
+def test_the_pinned_pool_lends_a_bounded_set_of_slabs_again_only_after_their_copy():
+    """The one pinned pool (engine swaps, connector loads and saves): at most ``slabs`` lent; one given
+    back with its copy's event is lent again only once that event completed."""
+    pool = PinnedPool(64, 2, alloc=lambda n: torch.zeros(n, dtype=torch.uint8), ready=lambda e: e.done)
+    a, b = pool.acquire(), pool.acquire()
+    assert {a, b} == {0, 1} and pool.acquire(timeout=0.05) is None
     got = []
-    waiter = threading.Thread(target=lambda: got.append(pool.take(64)))
+    waiter = threading.Thread(target=lambda: got.append(pool.acquire()))
     waiter.start()
-    waiter.join(0.2)
-    assert waiter.is_alive()  # both lent: the third waits
     event = _Event()
-    pool.give(a, event)
+    pool.release(a, after=event)
+    waiter.join(0.2)
+    assert waiter.is_alive()  # a's copy still running: nothing lent
+    event.done = True
     waiter.join(5)
-    assert got and got[0] is a and event.synced
-    pool.give(b)
-    buf, view = pool.stage(torch.arange(6, dtype=torch.float32).view(2, 3))
-    assert buf is b and view.tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert got == [a]
+    pool.release(b)
+    slab, view = pool.stage(torch.arange(6, dtype=torch.float32).view(2, 3))
+    assert slab == b and view.tolist() == [[0, 1, 2], [3, 4, 5]]
+    with pytest.raises(ValueError, match="does not fit"):
+        pool.view(slab, (100,), torch.float32)
+    with pytest.raises(TimeoutError):
+        pool.stage(torch.zeros(2), timeout=0.01)
