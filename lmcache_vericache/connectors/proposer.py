@@ -30,6 +30,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -88,7 +89,12 @@ class CompressedKVProposer:
         mc = vllm_config.model_config
         self._weight_bytes = weight_bytes(getattr(mc, "model", None), getattr(mc, "dtype", torch.float32))
         self.context = WorkerContext.of(vllm_config)
-        self.horizon = StepHorizon(self.max_draft, self.opts.adaptive)
+        # vLLM verifies an all-greedy batch by argmax and any other by rejection sampling over the
+        # vocabulary (a sampled verify step cost 2.2-4 s against 0.56 s greedy at 8k / batch 8, bf16,
+        # on a CPU): two cost regimes, one horizon each, so sampled steps do not price greedy ones.
+        self.horizons = {greedy: StepHorizon(self.max_draft, self.opts.adaptive) for greedy in (True, False)}
+        self.horizon = self.horizons[True]  # the regime of the current step
+        self.all_greedy: Callable[[], bool] = lambda: True  # () -> whether this step's batch is all greedy
         self.states = DraftStates(self._new_state, self._clone_state, self._drop_state)
         self.stats = ProposerStats()
         self.rt = None
@@ -104,7 +110,8 @@ class CompressedKVProposer:
     # -- vLLM hooks ------------------------------------------------------------------------------
     def load_model(self, target_model: torch.nn.Module) -> None:
         runner = _calling_runner(self)
-        self.attach(runtime_for(target_model), lambda: BlockTables.of_runner(runner))
+        self.attach(runtime_for(target_model), lambda: BlockTables.of_runner(runner),
+                    all_greedy=lambda: bool(runner.input_batch.all_greedy))
         self._attn = [layer.self_attn.attn for layer in target_model.model.layers]
         # vLLM's forward and the load-window drafter must not run the model at once (ModelGuard).
         # (A hook returning a value would replace the forward's inputs / output: these return None.)
@@ -120,11 +127,15 @@ class CompressedKVProposer:
         target_model.compute_logits = locked_logits
         target_model._vericache_proposer = self  # reachable from LLM.apply_model (stats, tests)
 
-    def attach(self, rt: Any, block_tables: Any, layout: KVLayout | None = None) -> None:
+    def attach(self, rt: Any, block_tables: Any, layout: KVLayout | None = None,
+               all_greedy: Callable[[], bool] | None = None) -> None:
         """Draft with runtime ``rt`` over vLLM's KV (``layout``: read from the attention layers when
-        not given) at the blocks ``block_tables()`` names each step; validates the draft-cache
-        options (``ValueError`` naming the option) and sizes the budget."""
+        not given) at the blocks ``block_tables()`` names each step (``all_greedy()``: whether the
+        step's batch samples no request, default always); validates the draft-cache options
+        (``ValueError`` naming the option) and sizes the budget."""
         self.rt, self.block_tables, self._layout = rt, block_tables, layout
+        if all_greedy is not None:
+            self.all_greedy = all_greedy
         self._caches = {}
         own = self.caches_for(None)  # the options checked now, not at the first draft
         own.warm_up(self.max_model_len)  # CUDA: the Triton variants compiled before vLLM's steps
@@ -150,6 +161,7 @@ class CompressedKVProposer:
         if self._first:
             self._count_first_acceptance(num_tokens_no_spec, token_ids_cpu)
         pre = self._load_drafts(out, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) if self.context.drafter.pending() else set()
+        self._choose_horizon()
         lengths = [int(num_tokens_no_spec[i]) if len(s) else -1 for i, s in enumerate(sampled_token_ids)]
         rows = {i: token_ids_cpu[i, :n] for i, n in enumerate(lengths) if n > 0}
         owned = self.states.owners(list(rows.values()))  # (state, the row extending it)
@@ -197,6 +209,14 @@ class CompressedKVProposer:
         # request's prefix read or compressed), then a few exact tokens a step (in stats.sync_s).
         self.horizon.end(max((n for *_, n in work), default=0), t2 - t1)
         return out
+
+    def _choose_horizon(self) -> None:
+        """The horizon of this step's cost regime; one entered anew takes no sample from the step
+        before (it ran in the other regime)."""
+        horizon = self.horizons[bool(self.all_greedy())]
+        if horizon is not self.horizon:
+            horizon.pause()
+            self.horizon = horizon
 
     def _may_pay(self, lengths: list[int]) -> bool:
         """The bytes bound of this step's rows (:func:`~.draft_states.may_pay`)."""
@@ -295,7 +315,8 @@ class CompressedKVProposer:
         out = {**asdict(self.stats), **sync, **self.horizon.medians_ms(), "draft_cache": kind,
                "live_states": len(self.states.states), "horizon_L": self.horizon.L}
         if reset_costs:
-            self.horizon.clear_samples()
+            for horizon in self.horizons.values():
+                horizon.clear_samples()
         return out
 
 
