@@ -267,5 +267,5 @@ def _report(o: dict) -> str:
     else:
         lines += ["  VeriCache was faster here; a shared host's speed moves by 10-40% between runs."]
     lines += ["  VeriCache pays where reading the KV dominates a step (long contexts, batches): see",
-              "  docs/benchmarks.md and README.md, 'Where VeriCache pays on this machine'."]
+              "  README.md, 'Current results', and docs/benchmarks.md, 'What the machine allows'."]
     return "\n".join(lines)

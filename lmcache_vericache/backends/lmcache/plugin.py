@@ -60,7 +60,7 @@ def store_params(extra_config: Mapping[str, Any] | None, prefix: str = KEY_PREFI
 class VeriCacheBackend(StoragePluginInterface):
     """LMCache storage backend over a :class:`DualTierStore`.
 
-    Contract with LMCache 0.5.6 (``docs/architecture.md#lmcache-in-process``):
+    Contract with LMCache 0.5.6 (``docs/architecture.md#data-path-of-one-request-per-host``, "LMCache in-process"):
 
     * Keys map to the store by :meth:`_key` (the shared key scheme); values are ``KV_2LTD`` chunks
       ``[2, L, T, H*D]``.
