@@ -30,6 +30,7 @@ import logging
 import os
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -313,7 +314,10 @@ class CompressedKVProposer:
         sync = asdict(self.sync.stats) if self.sync is not None else {}
         kind = self.caches_for(self.context.source).kind if self.rt is not None else None
         out = {**asdict(self.stats), **sync, **self.horizon.medians_ms(), "draft_cache": kind,
-               "live_states": len(self.states.states), "horizon_L": self.horizon.L}
+               "live_states": len(self.states.states), "horizon_L": self.horizon.L,
+               # rounds per draft length chosen (0: plain steps), per verify regime, over the engine's life
+               "horizon_rounds": {("greedy" if g else "sampled"): dict(Counter(r.L for r in h.horizon.record))
+                                  for g, h in self.horizons.items()}}
         if reset_costs:
             for horizon in self.horizons.values():
                 horizon.clear_samples()

@@ -190,6 +190,8 @@ def test_sampled_steps_are_priced_by_their_own_horizon(tiny_model):
     slow_samples = list(slow.verify_step_s) + list(slow.plain_step_s)
     assert fast_samples and max(fast_samples) < 1.0
     assert slow_samples and min(slow_samples) >= 5.0
+    rounds = p.report()["horizon_rounds"]  # rounds per draft length chosen, per regime
+    assert set(rounds) == {"greedy", "sampled"} and sum(rounds["sampled"].values()) >= 1
 
 
 def test_rows_matched_by_content_partial_prefill_and_finished_requests(tiny_model):
