@@ -34,7 +34,7 @@ def test_greedy_identical_1k(smollm2, reference_cache, name, params):
 
 # 2k x batch 2 costs several times the 1k case: one eviction and one low-bit method (sharing one
 # reference decode) keep the engine's share of the full suite near 10 minutes.
-CASES_2K = [c for c in CASES if c.values[0] in {"streamingllm", "kivi"}]
+CASES_2K = [c for c in CASES if c.values[0] in {"streamingllm", "int4"}]
 
 
 @pytest.mark.slow
