@@ -20,6 +20,11 @@ from common import ROOT, StageError, run_stage, tail  # noqa: E402
 
 
 def run(dry_run: bool) -> dict:
+    try:
+        import pytest  # noqa: F401  (the image's python3 may not have it offline)
+    except ImportError:
+        raise StageError(f"pytest is not installed for {sys.executable}: carry its wheel in .whl/ "
+                         "(README.md, offline machines)") from None
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "junit.xml"
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu", f"--junitxml={xml}"]

@@ -315,7 +315,7 @@ class CompressedKVProposer:
         kind = self.caches_for(self.context.source).kind if self.rt is not None else None
         out = {**asdict(self.stats), **sync, **self.horizon.medians_ms(), "draft_cache": kind,
                "live_states": len(self.states.states), "horizon_L": self.horizon.L,
-               # rounds per draft length chosen (0: plain steps), per verify regime, over the engine's life
+               # rounds per draft length chosen (0: plain steps), per verify regime, over its last 4096 rounds
                "horizon_rounds": {("greedy" if g else "sampled"): dict(Counter(r.L for r in h.horizon.record))
                                   for g, h in self.horizons.items()}}
         if reset_costs:

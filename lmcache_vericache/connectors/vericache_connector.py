@@ -218,6 +218,8 @@ class VeriCacheConnector(KVConnectorBase_V1):
         prompt = request.prompt_token_ids or []
         if not self.opts.load or len(prompt) <= self.opts.chunk_size:
             return False
+        if self._load_cap.get(request.request_id, len(prompt)) < self.opts.chunk_size:
+            return False  # its load failed at the first chunk: the lookup will not hit again
         try:
             return self._has_everywhere(self.space.token_keys(list(prompt[:self.opts.chunk_size]))[0])
         except Exception:  # a dead store is a miss

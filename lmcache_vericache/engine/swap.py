@@ -89,11 +89,19 @@ class SwapIn:
                 continue
             if self._stream is not None:
                 slab, staged = self._staging.pool.stage(kv)
-                with torch.cuda.stream(self._stream):
-                    self._cache.load_2ltd(i * self._chunk, staged)  # non-blocking from pinned memory
-                    done = torch.cuda.Event()
-                    done.record(self._stream)
-                self._staging.pool.release(slab, after=done)  # lent again once this copy has read it
+                done = None
+                try:
+                    with torch.cuda.stream(self._stream):
+                        # The chunk crosses whole and contiguous from the pinned slab (non-blocking);
+                        # load_2ltd's transposed write then runs on the device. Handing it the slab's
+                        # view would make torch stage a pageable contiguous copy on the host first.
+                        dev = staged.to(self._cache.k.device, non_blocking=True)
+                        self._cache.load_2ltd(i * self._chunk, dev)
+                finally:  # also on an error: the slab is lent again once what was enqueued has read it
+                    with torch.cuda.stream(self._stream):
+                        done = torch.cuda.Event()
+                        done.record(self._stream)
+                    self._staging.pool.release(slab, after=done)
             else:
                 self._cache.load_2ltd(i * self._chunk, kv)
             self.nbytes += kv.numel() * kv.element_size()

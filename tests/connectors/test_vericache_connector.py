@@ -300,6 +300,8 @@ def test_hooks_of_newer_vllms(tmp_path, monkeypatch):
     assert c.may_load_async(request("a", prompt))
     assert not c.may_load_async(request("b", [1] + prompt[1:]))  # first chunk not stored
     assert not c.may_load_async(request("c", prompt[:CHUNK]))  # no chunk before the last token
+    c._load_cap["d"] = 0  # its load failed at the first chunk: later lookups do not hit
+    assert not c.may_load_async(request("d", prompt))
     assert VeriCacheConnector.supports_sleep_mode(c._kv_transfer_config) and not c.requires_kv_delivery
     c.unregister_kv_caches()  # no transfer on the scheduler side: nothing to drain
     c.restore_kv_caches()

@@ -126,14 +126,15 @@ def test_a_two_slab_pool_serves_eight_concurrent_loads(compute):
 
 
 def test_a_load_is_not_reported_before_its_write_completed(compute, spin):
-    caches, store, t = rig("LBNHC", None, torch.bfloat16)
+    caches, store, t = rig("LBNHC", None, torch.bfloat16, slabs=1)
     try:
         prompt, keys, _ = stored_prompt(t, store, 1, torch.bfloat16)
         spin(1500)  # the load's write waits for this
         t.load(LoadSpec("r", keys, blocks_for(t, 0, CHUNK), 0, CHUNK, prompt))
-        time.sleep(0.5)  # the read and the upload are enqueued long before the spin ends
+        until(lambda: t.io.pool.acquire(0) is None, timeout=1.0)  # its upload holds the one slab: in flight
         assert "r" not in t.take_finished()
         until(lambda: "r" in t.take_finished())
+        assert t.take_errors() == set()
     finally:
         t.close()
         store.close()
@@ -183,6 +184,7 @@ def test_no_synchronize_on_the_compute_stream(compute):
         finally:
             torch.cuda.set_sync_debug_mode("default")
         until(lambda: "r" in t.take_finished())
+        assert t.take_errors() == set()  # a synchronize in the loader would fail the load, not the test
         t.flush()
         assert store.get_full(save_key) is not None and t.stats.save_errors == 0
     finally:
