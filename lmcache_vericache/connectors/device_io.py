@@ -135,8 +135,9 @@ class HostCopy:
     """A saved chunk on its way to host memory (see :class:`DeviceIO`)."""
 
     def __init__(self, host: Tensor, wait: Callable[[], None] = lambda: None,
-                 release: Callable[[], None] = lambda: None) -> None:
+                 release: Callable[[], None] = lambda: None, drop: Callable[[], None] | None = None) -> None:
         self._host, self._wait, self._release = host, wait, release
+        self._drop = drop
 
     def result(self) -> Tensor:
         """The chunk in host memory, after its copy completed (blocks until then)."""
@@ -149,6 +150,14 @@ class HostCopy:
         must outlive it."""
         self.result()
         self._release()
+
+    def drop(self) -> None:
+        """Hand the host memory back unread, without waiting on the calling thread (vLLM's, when a
+        save is dropped): it is lent again once the copy completed."""
+        if self._drop is None:
+            self.release()
+        else:
+            self._drop()
 
 
 class DeviceIO(ABC):
@@ -232,4 +241,5 @@ class CudaIO(DeviceIO):
         except BaseException:
             self._free_after(slab, self.save_stream)
             raise
-        return HostCopy(host, lambda: self.ops.synchronize(event), lambda: self.pool.release(slab))
+        return HostCopy(host, lambda: self.ops.synchronize(event), lambda: self.pool.release(slab),
+                        drop=lambda: self.pool.release(slab, after=event))

@@ -246,7 +246,7 @@ class PagedTransfer:
                 except queue.Full:
                     self.stats.save_dropped += 1
                     if copy is not None:
-                        copy.release()
+                        copy.drop()  # no wait on vLLM's thread: the slab comes back after its copy
 
     def _write_loop(self) -> None:
         torch_serial()

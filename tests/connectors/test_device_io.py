@@ -154,6 +154,33 @@ def test_a_failed_copy_frees_its_slab_only_after_what_was_enqueued_before_the_er
     assert io.pool.acquire(0) is not None
 
 
+def test_a_save_dropped_on_a_full_queue_does_not_wait_on_vllms_thread():
+    # The writer is stuck in a slow put and the queue holds one save: the next is dropped. Its slab
+    # comes back after its copy's event, without a synchronize on the calling (vLLM's) thread.
+    import queue
+    import threading
+
+    store, caches, fake, t = rig(slabs=4)
+    t._saves = queue.Queue(1)
+    stuck = threading.Event()
+    put = store.put
+    store.put = lambda *a, **kw: (stuck.wait(10), put(*a, **kw))[1]  # noqa: E731
+    keys = t.space.token_keys(list(range(4 * CHUNK)))
+    try:
+        blocks = list(range(6))
+        t.save([SaveSpec("s", [(keys[0], 0)], blocks)])
+        until(lambda: len(fake.ops("sync")) == 1)  # the writer took it, waited for its copy, is stuck in put
+        t.save([SaveSpec("s", [(keys[1], CHUNK), (keys[2], 2 * CHUNK)], blocks)])
+        assert t.stats.save_dropped == 1
+        assert len(fake.ops("sync")) == 1  # still only the writer's: the drop did not wait
+        fake.complete()
+        assert len({t.io.pool.acquire(0), t.io.pool.acquire(0)} - {None}) == 2  # the dropped slab is back
+    finally:
+        stuck.set()
+        t.close()
+        store.close()
+
+
 def test_a_pool_smaller_than_one_chunk_fails_naming_the_option():
     with pytest.raises(ValueError, match="pinned_pool_bytes"):
         CudaIO(FakeStreams(), chunk_bytes=1 << 20, pool_bytes=1 << 19, wait_s=1)
