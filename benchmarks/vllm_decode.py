@@ -469,6 +469,8 @@ def rows_for(args: argparse.Namespace, dtype: str, reports: dict[str, dict[str, 
             "sync_s": round(sum(d.get("sync_s", 0) for d in delta), 4) if any("sync_s" in d for d in delta) else None,
             "proposer_counters": delta[-1] if delta else None,  # the last repeat's change of each counter
             "proposer_stats": after[-1] if after else None,  # as reported after the last repeat
+            # per repeat, per step: [rows decoding, drafts per row, vLLM's step ms before it, propose ms, draft ms]
+            "horizon_traces": {n: (a or {}).get("horizon_trace") for n, a in zip(names, after)},
             "cached_prompt_tokens": {"plain": min(min(plain["jobs"][n]["num_cached_tokens"]) for n in names),
                                      "vericache": min(min(vc["jobs"][n]["num_cached_tokens"]) for n in names)},
             "plain_self_identical": all(plain["jobs"][n]["tokens"] == plain["jobs"][names[0]]["tokens"] for n in names)

@@ -2,7 +2,9 @@
 flags: the package's KV connector (``--kv-transfer-config``: stored prefixes served from the dual-tier
 store, compressed chunks drafted over while the full ones load, prompt chunks saved) and the
 compressed-KV drafting proposer (``--speculative-config``). ``--lmcache`` swaps the connector for
-LMCache's MP connector (the ``lmcache server`` started as in ``configs/README.md``).
+LMCache's MP connector (the ``lmcache server`` started as in ``configs/README.md``); the proposer then
+drafts over the compressed chunks the server's VeriCache L2 adapter stored (``--lmcache-l2``: that
+server's ``--l2-adapter`` JSON, whose store it opens too).
 
 It validates the store config and proposer options, prints the server's command line and replaces
 itself with it (``--dry-run`` only prints). Arguments after ``--`` go to ``vllm serve`` unchanged.
@@ -19,6 +21,7 @@ from pathlib import Path
 
 PROPOSER = "lmcache_vericache.connectors.proposer.CompressedKVProposer"
 KV_TRANSFER_JSON = Path(__file__).parents[2] / "configs" / "vllm-kv-transfer.json"
+L2_JSON = Path(__file__).parents[2] / "configs" / "lmcache-server-l2.json"
 CONNECTOR_MODULE = "lmcache_vericache.connectors.vericache_connector"
 DEFAULT_STORE = {"capacity": "disk", "disk_path": "~/.cache/lmcache_vericache/kv"}
 
@@ -57,6 +60,9 @@ def add_parser(subparsers) -> None:
     k = p.add_argument_group("LMCache MP connector")
     k.add_argument("--lmcache", action="store_true", help="LMCacheMPConnector instead of the VeriCache connector")
     k.add_argument("--lmcache-port", type=int, default=None, help="LMCache server port (default: the JSON's)")
+    k.add_argument("--lmcache-l2", default=str(L2_JSON), metavar="JSON_FILE",
+                   help="the server's --l2-adapter JSON: the proposer reads its store (default: the shipped one)")
+    k.add_argument("--lmcache-chunk-size", type=int, default=256, help="the server's --chunk-size (default 256)")
     p.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then extra `vllm serve` arguments")
 
@@ -73,6 +79,12 @@ def command(args: argparse.Namespace) -> list[str]:
             "window": args.window, "adaptive": not args.no_adaptive}
     if args.max_draft is not None:
         opts["max_draft"] = args.max_draft
+    if args.lmcache:
+        try:
+            opts["lmcache_store"] = json.loads(Path(args.lmcache_l2).read_text())["adapter_params"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"--lmcache-l2 {args.lmcache_l2}: not an L2 adapter JSON with adapter_params: {e}") from e
+        opts["lmcache_chunk_size"] = args.lmcache_chunk_size
     if args.num_speculative_tokens < 1:
         raise ValueError("--num-speculative-tokens must be >= 1")
     ProposerOptions.load({CONFIG_KEY: opts}, {}, args.num_speculative_tokens)  # fail here, not in the worker

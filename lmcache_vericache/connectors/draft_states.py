@@ -117,6 +117,9 @@ class StepHorizon:
         self.draft_step_s: deque[float] = deque(maxlen=256)
         self.verify_step_s: deque[float] = deque(maxlen=256)
         self.plain_step_s: deque[float] = deque(maxlen=256)
+        self.trace: list[list] = []  # per step: [rows decoding, drafts, vLLM's step ms before it, propose ms, draft ms]
+        self._vllm_s = 0.0  # vLLM's step before this propose (since the last end)
+        self._begin = 0.0
 
     @property
     def L(self) -> int:
@@ -126,6 +129,7 @@ class StepHorizon:
         """``lengths``: each row's tokens (-1: a row in prefill); ``rounds``: for the rows that
         proposed at the last step, ``(drafted, accepted)``."""
         now = self.clock()
+        self._vllm_s, self._begin = (now - self._end if self._end is not None else 0.0), now
         prev, self._lengths = self._lengths, lengths
         steady = prev is not None and len(prev) == len(lengths) and all(
             a >= 0 and 0 < b - a <= self.max_draft + 1 for a, b in zip(prev, lengths))
@@ -149,6 +153,10 @@ class StepHorizon:
         """``drafted``: the most drafts a row got this step (0: none); ``draft_s``: their seconds."""
         self._drafted, self._draft_s = drafted, draft_s
         self._end = self.clock()
+        if len(self.trace) < 2048:
+            rows = sum(n > 0 for n in self._lengths or ())
+            self.trace.append([rows, drafted, round(1e3 * self._vllm_s, 1), round(1e3 * (self._end - self._begin), 1),
+                               round(1e3 * draft_s, 1)])
 
     def pause(self) -> None:
         """A step drafting was ruled out for another reason: the next interval is no sample."""
@@ -158,6 +166,7 @@ class StepHorizon:
         """Forget the reported step costs (the horizon's own model is kept)."""
         for d in (self.draft_step_s, self.verify_step_s, self.plain_step_s):
             d.clear()
+        self.trace = []
 
     def medians_ms(self) -> dict[str, float | None]:
         return {name: (1e3 * statistics.median(d) if d else None) for name, d in (

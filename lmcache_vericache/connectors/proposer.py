@@ -46,7 +46,9 @@ from .draft_budget import DeviceHold, DraftBudget, device_cap
 from .draft_loop import greedy_drafts
 from .draft_states import DraftState, DraftStates, StepHorizon, accepted_of, may_pay, weight_bytes
 from .draft_sync import BlockTables, DraftSync
+from ..backends.lmcache.fused_planes import vllm_isa
 from .kv_layout import KVLayout
+from .lmcache_source import lmcache_source
 from .kv_layout import layout_for as kv_layout_for
 from .proposer_options import CONFIG_KEY, ProposerOptions
 from .vllm_model import runtime_for
@@ -88,6 +90,7 @@ class CompressedKVProposer:
         self.max_num_seqs = int(getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", 1))
         self.mem_share = float(getattr(getattr(vllm_config, "cache_config", None), "gpu_memory_utilization", 0.9) or 0.9)
         mc = vllm_config.model_config
+        self._model_name = str(getattr(mc, "model", "") or "")  # LMCache MP's model name (lmcache_source)
         self._weight_bytes = weight_bytes(getattr(mc, "model", None), getattr(mc, "dtype", torch.float32))
         self.context = WorkerContext.of(vllm_config)
         # vLLM verifies an all-greedy batch by argmax and any other by rejection sampling over the
@@ -107,6 +110,7 @@ class CompressedKVProposer:
         self._caches: dict[int, DraftCaches] = {}  # id(compressor) -> its draft caches
         self._first: list[tuple[np.ndarray, int]] = []  # load drafts proposed last step: (row, proposed)
         self._draft_stream: tuple[TorchCuda, Any] | None = None  # CUDA: (ops, the drafter's own stream)
+        self._lmcache_source: ChunkSource | None = None  # the L2 adapter's store (lmcache_store), opened on first use
 
     # -- vLLM hooks ------------------------------------------------------------------------------
     def load_model(self, target_model: torch.nn.Module) -> None:
@@ -222,7 +226,21 @@ class CompressedKVProposer:
     def _may_pay(self, lengths: list[int]) -> bool:
         """The bytes bound of this step's rows (:func:`~.draft_states.may_pay`)."""
         kv = sum(n for n in lengths if n > 0) * self.rt.kv_bytes_per_token()
-        return may_pay(self._weight_bytes, kv, self.caches_for(self.context.source).read_ratio())
+        return may_pay(self._weight_bytes, kv, self.caches_for(self.source()).read_ratio())
+
+    def source(self) -> ChunkSource | None:
+        """Where stored prefix chunks come from: the package's KV connector's store; without it, the
+        L2 adapter's store beside LMCache's MP server (``lmcache_store``: :mod:`.lmcache_source`);
+        else none (every chunk compressed here)."""
+        if self.context.source is not None or self.opts.lmcache_store is None:
+            return self.context.source
+        if self._lmcache_source is None:
+            layout = self._kv_layout()
+            isa = (getattr(self._attn[0], "isa", None) if self._attn else None) or vllm_isa(
+                layout.dtype, self.block_tables().block_size, layout.head_size)
+            self._lmcache_source = lmcache_source(self.opts.lmcache_store, self.opts.lmcache_chunk_size,
+                                                  self._model_name, layout.dtype, isa, layout.kv_heads)
+        return self._lmcache_source
 
     # -- draft caches -----------------------------------------------------------------------------
     def caches_for(self, source: ChunkSource | None) -> DraftCaches:
@@ -249,7 +267,7 @@ class CompressedKVProposer:
         return self._caches[key]
 
     def _new_state(self) -> DraftState:
-        source = self.context.source
+        source = self.source()
         return DraftState(self.caches_for(source).new(), np.empty(0, dtype=np.int32), source)
 
     def _clone_state(self, st: DraftState) -> DraftState | None:
@@ -312,12 +330,14 @@ class CompressedKVProposer:
         """Counters, the step costs measured since the last reset (medians, ms) and the draft
         caches' kind. ``reset_costs``: start the cost samples afresh (per benchmark job)."""
         sync = asdict(self.sync.stats) if self.sync is not None else {}
-        kind = self.caches_for(self.context.source).kind if self.rt is not None else None
+        kind = self.caches_for(self.source()).kind if self.rt is not None else None
         out = {**asdict(self.stats), **sync, **self.horizon.medians_ms(), "draft_cache": kind,
                "live_states": len(self.states.states), "horizon_L": self.horizon.L,
                # rounds per draft length chosen (0: plain steps), per verify regime, over its last 4096 rounds
                "horizon_rounds": {("greedy" if g else "sampled"): dict(Counter(r.L for r in h.horizon.record))
-                                  for g, h in self.horizons.items()}}
+                                  for g, h in self.horizons.items()},
+               # per regime since the last reset, per step: [rows decoding, drafts per row, vLLM's step ms before it, propose ms, draft ms]
+               "horizon_trace": {("greedy" if g else "sampled"): h.trace for g, h in self.horizons.items()}}
         if reset_costs:
             for horizon in self.horizons.values():
                 horizon.clear_samples()

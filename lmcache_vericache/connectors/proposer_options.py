@@ -18,7 +18,11 @@ it as its source spells it, before any model work:
 * ``int8_draft``, ``codebook_draft``, ``triton_draft`` (bool or null, the default: auto): how a draft
   cache keeps its prefix (:mod:`~lmcache_vericache.engine.draft_cache`: int8 or TurboQuant codes
   read by the CPU kernels, stored chunks read by the Triton kernels on CUDA); ``true`` where that
-  cannot be is a start-up error naming why.
+  cannot be is a start-up error naming why;
+* ``lmcache_store`` (JSON object or null, the default) and ``lmcache_chunk_size`` (int, default
+  256): beside LMCache's MP server (vLLM's ``LMCacheMPConnector``), the VeriCache L2 adapter's
+  ``adapter_params`` and the server's ``--chunk-size``: drafts read the compressed chunks the server
+  stored (:mod:`.lmcache_source`). Ignored where the package's own KV connector runs (its store applies).
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ class ProposerOptions:
     int8_draft: bool | None = None
     codebook_draft: bool | None = None
     triton_draft: bool | None = None
+    lmcache_store: dict[str, Any] | None = None
+    lmcache_chunk_size: int = 256
 
     def validate(self) -> None:
         """Raises ``ValueError`` whose message starts with the offending option's name."""
@@ -57,7 +63,11 @@ class ProposerOptions:
         b = self.draft_cache_bytes
         if b != "auto" and not (isinstance(b, int) and b >= 0):
             raise ValueError(f'draft_cache_bytes must be an int >= 0 or "auto", got {b!r}')
-        for name, low in (("chunk_size", 1), ("window", 0), ("max_draft", 1)):
+        if self.lmcache_store is not None:
+            from .lmcache_source import store_config
+
+            store_config(self.lmcache_store, where="lmcache_store", prefix=f"{CONFIG_KEY}.lmcache_store.")
+        for name, low in (("chunk_size", 1), ("window", 0), ("max_draft", 1), ("lmcache_chunk_size", 1)):
             value = getattr(self, name)
             if value is not None and value < low:
                 raise ValueError(f"{name} must be >= {low}, got {value}")

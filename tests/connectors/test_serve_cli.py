@@ -1,6 +1,7 @@
 """``vericache serve --dry-run``: the vllm serve line it would exec, and option errors."""
 
 import json
+from pathlib import Path
 
 from lmcache_vericache.cli import main
 
@@ -23,6 +24,19 @@ def test_serve_builds_the_vllm_command(capsys):
     kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
     assert kv["kv_connector"] == "LMCacheMPConnector" and kv["kv_connector_extra_config"]["lmcache.mp.port"] == 6000
     assert argv[-2:] == ["--max-num-seqs", "4"]
+    # the proposer reads the store of the shipped L2 adapter JSON (the server's)
+    l2 = json.loads((Path(__file__).parents[2] / "configs" / "lmcache-server-l2.json").read_text())
+    assert extra["lmcache_store"] == l2["adapter_params"] and extra["lmcache_chunk_size"] == 256
+
+
+def test_serve_rejects_a_bad_l2_json_or_store_key(capsys, tmp_path):
+    bad = tmp_path / "l2.json"
+    bad.write_text("{}")
+    assert main(["serve", "--dry-run", "--model", "/m", "--lmcache", "--lmcache-l2", str(bad)]) == 2
+    assert "--lmcache-l2" in capsys.readouterr().err
+    bad.write_text(json.dumps({"adapter_params": {"capacity": "tape"}}))
+    assert main(["serve", "--dry-run", "--model", "/m", "--lmcache", "--lmcache-l2", str(bad)]) == 2
+    assert "vericache_proposer.lmcache_store.capacity" in capsys.readouterr().err
 
 
 def test_serve_rejects_bad_options_naming_the_key(capsys):

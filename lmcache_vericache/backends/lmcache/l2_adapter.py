@@ -15,9 +15,13 @@ Keys: an ``ObjectKey``'s ``chunk_hash`` is the server's prefix chain (``blake3``
 the engine computes it); the store key is :meth:`KeySpace.key` of it in the space of
 (``model_id`` or the key's model name, the object's dtype and token count, its layout, the hash
 scheme, the compressor), with the key's rank, object group and cache salt as qualifiers. Split
-K/V planes ``[2, L, T, W]`` are the engine's ``kv_2ltd`` layout and are found by every host;
-vLLM-on-CPU's fused paged planes ``[L, T, 2W]`` are not token-major, get a layout of their own
-(``vllm_cpu_fused``) and are stored full-only, so no other host is ever served one.
+K/V planes ``[2, L, T, W]`` are the engine's ``kv_2ltd`` layout and are found by every host.
+vLLM-on-CPU's fused paged planes ``[L, T, 2W]`` hold vLLM's block tiles, not token rows
+(:mod:`.fused_planes`): with ``vllm_cpu_tiling`` (default ``auto``: the ISA vLLM picks on this host)
+they are stored token-major with a compressed copy, in layout ``vllm_cpu_fused.<isa>``, which the
+package's proposer in a vLLM beside this server reads to draft (its ``lmcache_store`` option), and
+tiled back on load; with ``none``, as they come, full-only, in layout ``vllm_cpu_fused``. Either way
+only an engine with the same tiling is served one.
 
 Any other object (another shape, a dtype that is not KV's, a width the head count does not divide:
 LMCache's own ``lmcache bench l2`` hands over 1-D ``uint8`` buffers) is stored whole: its raw bytes
@@ -51,6 +55,7 @@ from ...compressors.codec import CHUNK_DTYPES
 from ...workers import torch_serial
 from ..config import StoreConfig
 from ..keys import LAYOUT_2LTD, KeySpace
+from . import fused_planes as fp
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
@@ -59,9 +64,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-#: vLLM-on-CPU's fused K/V plane ``[L, T, 2W]`` (LMCache ``kv_size == 1``): rows are paged
-#: blocks tiled in vLLM's own order, not tokens (docs/host-notes.md#vllm-cpu-block-layout).
-LAYOUT_VLLM_CPU_FUSED = "vllm_cpu_fused"
+LAYOUT_VLLM_CPU_FUSED = fp.LAYOUT_VLLM_CPU_FUSED
 #: An object that is not KV, stored whole as raw bytes; the layout tag carries its shape.
 LAYOUT_OPAQUE = "opaque"
 #: The shape-free marker of an opaque object: its value is the object's store key.
@@ -116,15 +119,23 @@ class VeriCacheL2AdapterConfig(L2AdapterConfigBase):
     """``adapter_params`` of the plugin JSON: flat ``DualTierStore.from_config`` keys, validated
     when the server parses its arguments (a bad key raises ``ValueError`` naming it)."""
 
-    def __init__(self, store: StoreConfig) -> None:
+    def __init__(self, store: StoreConfig, vllm_cpu_tiling: str = "auto", vllm_cpu_block_size: int = 128) -> None:
+        if vllm_cpu_tiling not in fp.TILINGS:
+            raise ValueError(f"L2 adapter_params: vllm_cpu_tiling must be one of {fp.TILINGS}, got {vllm_cpu_tiling!r}")
+        if isinstance(vllm_cpu_block_size, bool) or not isinstance(vllm_cpu_block_size, int) or vllm_cpu_block_size < 1:
+            raise ValueError(f"L2 adapter_params: vllm_cpu_block_size must be an int >= 1, got {vllm_cpu_block_size!r}")
         self.store = store
+        self.vllm_cpu_tiling = vllm_cpu_tiling  # how vLLM-on-CPU tiles its blocks (module docstring)
+        self.vllm_cpu_block_size = vllm_cpu_block_size  # vLLM-on-CPU's block size (its default: 128)
 
     @classmethod
     def from_dict(cls, d: dict) -> VeriCacheL2AdapterConfig:
+        d = dict(d)
+        tiling = {k: d.pop(k) for k in ("vllm_cpu_tiling", "vllm_cpu_block_size") if k in d}
         cfg = StoreConfig.parse(d, where="L2 adapter_params")
         if cfg.num_kv_heads is None:
             raise ValueError("L2 adapter_params: 'num_kv_heads' is required (the server does not know the model)")
-        return cls(cfg)
+        return cls(cfg, **tiling)
 
     @classmethod
     def help(cls) -> str:
@@ -156,7 +167,9 @@ class VeriCacheL2Adapter(L2AdapterInterface):
     def __init__(self, config: VeriCacheL2AdapterConfig, l1_memory_desc: Any = None) -> None:
         super().__init__()
         self.config = config.store
+        self.tiling, self.block_size = config.vllm_cpu_tiling, config.vllm_cpu_block_size
         self.store = config.store.build()
+        self._layouts: dict[tuple, Any] = {}  # (dtype, head size) -> (tile layout or None, layout name)
         self._spaces: dict[tuple, KeySpace] = {}
         self._efds = {op: create_event_notifier() for op in ("store", "lookup", "load")}
         self._ids = itertools.count()
@@ -186,7 +199,31 @@ class VeriCacheL2Adapter(L2AdapterInterface):
             layout, tokens = LAYOUT_OPAQUE + "[" + ",".join(str(int(s)) for s in shape) + "]", 1
         else:
             layout, tokens = kv
+            if layout == LAYOUT_VLLM_CPU_FUSED:
+                layout = self._tiles(shape, dtype)[1]
         return self._space(key, layout, tokens, dtype).key(key.chunk_hash), kv is not None
+
+    def _tiles(self, shape: Sequence[int], dtype: torch.dtype) -> tuple[Any, str]:
+        """``(tile layout, layout name)`` of a fused plane of ``shape``: the tiling undone on store
+        (:mod:`.fused_planes`), or ``(None, "vllm_cpu_fused")`` where it is stored as it comes
+        (``vllm_cpu_tiling: none``, a plane of partial blocks, a dtype the tiles cannot be probed
+        in, or ``amx`` without vLLM in this process)."""
+        heads = self.store.num_kv_heads
+        head_size = int(shape[-1]) // (2 * heads)
+        spec = (dtype, head_size)
+        if spec not in self._layouts:
+            try:
+                tiles = fp.block_layout(self.tiling, dtype, self.block_size, head_size)
+                name = fp.layout_name(fp.isa_of(self.tiling, dtype, self.block_size, head_size))
+            except (ImportError, NotImplementedError, RuntimeError) as e:
+                logger.warning("VeriCacheL2Adapter: vLLM-on-CPU %s planes (head size %d) are stored full-only "
+                               "(no compressed copy to draft from): %s", dtype, head_size, e)
+                tiles, name = None, LAYOUT_VLLM_CPU_FUSED
+            self._layouts[spec] = (tiles, name) if tiles is not None else (None, LAYOUT_VLLM_CPU_FUSED)
+        tiles, name = self._layouts[spec]
+        if tiles is None or not fp.fits(shape, self.block_size, heads):
+            return None, LAYOUT_VLLM_CPU_FUSED
+        return tiles, name
 
     def _mark_key(self, key: ObjectKey) -> str:
         """Store key of the shape-free marker of the opaque object last stored under ``key``."""
@@ -279,9 +316,11 @@ class VeriCacheL2Adapter(L2AdapterInterface):
         if kv:
             if self.store.has_full(skey):
                 return False
-            # Only split K/V planes have token rows worth compressing (see LAYOUT_VLLM_CPU_FUSED),
-            # and only in the dtypes the compressors take.
-            self.store.put(skey, kv_2ltd_view(t), compress=t.dim() == 4 and t.dtype in CHUNK_DTYPES)
+            # Token rows are worth compressing (fused planes only once made token-major), and only
+            # in the dtypes the compressors take.
+            tiles = self._tiles(t.shape, t.dtype)[0] if t.dim() == 3 else None
+            chunk = fp.token_major(t, tiles, self.store.num_kv_heads) if tiles is not None else kv_2ltd_view(t)
+            self.store.put(skey, chunk, compress=(t.dim() == 4 or tiles is not None) and t.dtype in CHUNK_DTYPES)
             return True
         self._note_opaque(t)
         written = not self.store.has_full(skey)
@@ -373,8 +412,11 @@ class VeriCacheL2Adapter(L2AdapterInterface):
             full = handle.wait(i)
             if full is None:
                 continue
+            tiles = None
             try:  # an opaque object's buffer as the bytes it was stored as (same shape and dtype: same key)
                 dst = kv_2ltd_view(obj.tensor) if resolved[i][1] else obj.tensor.view(-1).view(torch.uint8)
+                if resolved[i][1] and obj.tensor.dim() == 3:
+                    tiles = self._tiles(obj.tensor.shape, obj.tensor.dtype)[0]
             except (AttributeError, ValueError, RuntimeError):  # no tensor, no chunk shape, not contiguous
                 dst = None
             if dst is None or dst.shape != full.shape or dst.dtype != full.dtype:
@@ -384,7 +426,10 @@ class VeriCacheL2Adapter(L2AdapterInterface):
                     None if dst is None else tuple(dst.shape), None if dst is None else dst.dtype,
                 )  # fmt: skip
                 continue
-            dst.copy_(full)
+            if tiles is not None:  # stored token-major: back into vLLM's tiles
+                fp.tile_into(full, tiles, self.store.num_kv_heads, obj.tensor)
+            else:
+                dst.copy_(full)
             bitmap.set(i)
             loaded.append(key)
         self._count(loaded_chunks=len(loaded), load_misses=len(keys) - len(loaded))

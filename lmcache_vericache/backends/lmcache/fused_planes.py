@@ -1,0 +1,85 @@
+"""vLLM-on-CPU's fused MP objects, token-major and back.
+
+LMCache's MP server hands an adapter vLLM-on-CPU's KV as one plane per chunk, ``[L, T, 2W]``
+(``W`` = KV heads x head size). Its per-layer fused transfer copies each paged block whole: row
+``b * BS + r``, columns ``h * 2D .. (h + 1) * 2D`` of a layer's plane hold bytes ``r * 2D ..
+(r + 1) * 2D`` of block ``b``'s tile of head ``h``. Inside a tile, the cache-write kernel of vLLM's
+attention ISA decides where token ``t``'s K or V dim ``d`` lands
+(:mod:`lmcache_vericache.connectors.paged_layout`): ``vec`` / ``vec16`` have a closed form, ``amx``
+is probed with vLLM's own op (vLLM must be importable in the server).
+
+:func:`token_major` turns such a plane into the store's ``[2, L, T, W]`` chunk (compressible, what
+a drafter reads), :func:`tile_into` writes a chunk back into a plane; the two are inverse
+permutations, so a full chunk round-trips bit for bit whatever the tiling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...connectors.paged_layout import BlockLayout, probe_layout, vec_layout
+
+#: vLLM-on-CPU's fused K/V plane ``[L, T, 2W]`` (LMCache ``kv_size == 1``) stored as it comes: rows
+#: are paged blocks tiled in vLLM's own order, not tokens (docs/host-notes.md#vllm-cpu-block-layout).
+LAYOUT_VLLM_CPU_FUSED = "vllm_cpu_fused"
+#: ``vllm_cpu_tiling`` values: a vLLM CPU attention ISA, ``auto`` (vLLM's own choice on this host)
+#: or ``none`` (planes stored as they come, full-only: no drafting from them).
+TILINGS = ("auto", "vec", "vec16", "amx", "none")
+
+
+def vllm_isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:
+    """The ISA vLLM-on-CPU (0.32) picks for its attention on this host (``_get_attn_isa``, x86)."""
+    if head_size % 32 and head_size % 16 == 0:
+        return "vec16"
+    if dtype == torch.bfloat16 and block_size % 32 == 0 and torch.cpu._is_amx_tile_supported():
+        return "amx"
+    return "vec" if block_size % 32 == 0 else "vec16"
+
+
+def block_layout(tiling: str, dtype: torch.dtype, block_size: int, head_size: int) -> BlockLayout | None:
+    """The tile layout of ``tiling`` (``auto``: :func:`vllm_isa`); ``None`` for ``none``. ``amx``
+    raises ``ImportError`` where vLLM is not installed (its cache-write op is the probe)."""
+    isa = vllm_isa(dtype, block_size, head_size) if tiling == "auto" else tiling
+    if isa == "none":
+        return None
+    if isa in ("vec", "vec16"):
+        return vec_layout(block_size, head_size)
+    return probe_layout(isa, dtype, block_size, head_size)
+
+
+def isa_of(tiling: str, dtype: torch.dtype, block_size: int, head_size: int) -> str:
+    """The ISA name ``tiling`` stands for (``auto`` resolved)."""
+    return vllm_isa(dtype, block_size, head_size) if tiling == "auto" else tiling
+
+
+def layout_name(isa: str) -> str:
+    """Key-space layout of fused planes stored token-major after undoing ISA ``isa``'s tiles: what
+    the adapter stores them under and the proposer beside the server asks for."""
+    return f"{LAYOUT_VLLM_CPU_FUSED}.{isa}"
+
+
+def token_major(plane: torch.Tensor, layout: BlockLayout, heads: int) -> torch.Tensor:
+    """The ``[2, L, T, W]`` token-major chunk of a fused plane ``[L, T, 2W]`` (a copy)."""
+    L, T, two_w = plane.shape
+    bs, d = layout.block_size, layout.head_size
+    nb = T // bs
+    tiles = plane.reshape(L, nb, bs, heads, 2 * d).permute(0, 1, 3, 2, 4).reshape(L, nb, heads, bs * 2 * d)
+    kv = tiles[..., layout.src.reshape(-1)].view(L, nb, heads, 2, bs, d)
+    return kv.permute(3, 0, 1, 4, 2, 5).reshape(2, L, T, heads * d)
+
+
+def tile_into(chunk: torch.Tensor, layout: BlockLayout, heads: int, plane: torch.Tensor) -> None:
+    """Write the token-major ``chunk`` ``[2, L, T, W]`` into the fused ``plane`` ``[L, T, 2W]``."""
+    _, L, T, _ = chunk.shape
+    bs, d = layout.block_size, layout.head_size
+    nb = T // bs
+    logical = chunk.reshape(2, L, nb, bs, heads, d).permute(1, 2, 4, 0, 3, 5).reshape(L, nb, heads, 2 * bs * d)
+    tiles = torch.empty_like(logical)
+    tiles[..., layout.src.reshape(-1)] = logical
+    plane.view(L, nb, bs, heads, 2 * d).copy_(tiles.view(L, nb, heads, bs, 2 * d).permute(0, 1, 3, 2, 4))
+
+
+def fits(shape: torch.Size | tuple, block_size: int, heads: int) -> bool:
+    """Whether a fused plane of ``shape`` is whole blocks of ``heads`` heads."""
+    L, T, two_w = (int(s) for s in shape)
+    return T % block_size == 0 and two_w % (2 * heads) == 0
