@@ -159,8 +159,8 @@ class DualTierStore:
         fails; the hot tier is then left unchanged.
 
         ``compress=False`` stores the full chunk only, for KV whose rows are not tokens (vLLM's
-        CPU paged blocks as LMCache's MP server hands them over): a compressed copy of those
-        bytes would serve no drafter and cost a compression per chunk. It also stores values that
+        CPU paged blocks as LMCache's MP server hands them over, where the L2 adapter does not
+        untile them): a compressed copy of those bytes would serve no drafter. It also stores values that
         are not KV at all (any tensor, e.g. an object's raw bytes as 1-D ``uint8``), checksummed like
         a full chunk; read those with ``kv=False``. ``replace=True`` rewrites a committed value:
         for a caller that found it unusable and recomputed the exact KV."""

@@ -79,7 +79,7 @@ def command(args: argparse.Namespace) -> list[str]:
             "window": args.window, "adaptive": not args.no_adaptive}
     if args.max_draft is not None:
         opts["max_draft"] = args.max_draft
-    if args.lmcache:
+    if args.lmcache and not args.no_proposer:
         try:
             opts["lmcache_store"] = json.loads(Path(args.lmcache_l2).read_text())["adapter_params"]
         except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:

@@ -118,7 +118,7 @@ class StepHorizon:
         self.verify_step_s: deque[float] = deque(maxlen=256)
         self.plain_step_s: deque[float] = deque(maxlen=256)
         self.trace: list[list] = []  # per step: [rows decoding, drafts, vLLM's step ms before it, propose ms, draft ms]
-        self._vllm_s = 0.0  # vLLM's step before this propose (since the last end)
+        self._vllm_s: float | None = None  # vLLM's step before this propose (since the last end)
         self._begin = 0.0
 
     @property
@@ -129,7 +129,7 @@ class StepHorizon:
         """``lengths``: each row's tokens (-1: a row in prefill); ``rounds``: for the rows that
         proposed at the last step, ``(drafted, accepted)``."""
         now = self.clock()
-        self._vllm_s, self._begin = (now - self._end if self._end is not None else 0.0), now
+        self._vllm_s, self._begin = (now - self._end if self._end is not None else None), now
         prev, self._lengths = self._lengths, lengths
         steady = prev is not None and len(prev) == len(lengths) and all(
             a >= 0 and 0 < b - a <= self.max_draft + 1 for a, b in zip(prev, lengths))
@@ -155,8 +155,8 @@ class StepHorizon:
         self._end = self.clock()
         if len(self.trace) < 2048:
             rows = sum(n > 0 for n in self._lengths or ())
-            self.trace.append([rows, drafted, round(1e3 * self._vllm_s, 1), round(1e3 * (self._end - self._begin), 1),
-                               round(1e3 * draft_s, 1)])
+            vllm_ms = None if self._vllm_s is None else round(1e3 * self._vllm_s, 1)  # None: after a pause
+            self.trace.append([rows, drafted, vllm_ms, round(1e3 * (self._end - self._begin), 1), round(1e3 * draft_s, 1)])
 
     def pause(self) -> None:
         """A step drafting was ruled out for another reason: the next interval is no sample."""

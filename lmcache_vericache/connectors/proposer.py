@@ -30,6 +30,7 @@ import logging
 import os
 import sys
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -39,6 +40,7 @@ import numpy as np
 import torch
 
 from .. import compressors
+from ..backends.lmcache.fused_planes import vllm_isa
 from ..compressors import KVCompressor
 from ..engine.draft_cache import DraftCaches
 from .device_io import TorchCuda
@@ -46,10 +48,9 @@ from .draft_budget import DeviceHold, DraftBudget, device_cap
 from .draft_loop import greedy_drafts
 from .draft_states import DraftState, DraftStates, StepHorizon, accepted_of, may_pay, weight_bytes
 from .draft_sync import BlockTables, DraftSync
-from ..backends.lmcache.fused_planes import vllm_isa
 from .kv_layout import KVLayout
-from .lmcache_source import lmcache_source
 from .kv_layout import layout_for as kv_layout_for
+from .lmcache_source import lmcache_source, open_store, planes_layout
 from .proposer_options import CONFIG_KEY, ProposerOptions
 from .vllm_model import runtime_for
 from .vllm_version import check_proposer
@@ -110,7 +111,18 @@ class CompressedKVProposer:
         self._caches: dict[int, DraftCaches] = {}  # id(compressor) -> its draft caches
         self._first: list[tuple[np.ndarray, int]] = []  # load drafts proposed last step: (row, proposed)
         self._draft_stream: tuple[TorchCuda, Any] | None = None  # CUDA: (ops, the drafter's own stream)
-        self._lmcache_source: ChunkSource | None = None  # the L2 adapter's store (lmcache_store), opened on first use
+        # Beside LMCache's MP server: the L2 adapter's store (lmcache_store), opened now so that a bad
+        # config fails at start-up; its key space once vLLM's KV layout is known (source()).
+        self._lmcache = None
+        self._lmcache_source: ChunkSource | None = None
+        if self.opts.lmcache_store is not None:
+            kv = getattr(vllm_config, "kv_transfer_config", None)
+            if getattr(kv, "kv_connector", None) == "VeriCacheConnector":
+                logger.info("vericache proposer: lmcache_store ignored: the VeriCache connector's store applies")
+            else:
+                heads = getattr(mc, "get_total_num_kv_heads", None)
+                self._lmcache = open_store(self.opts.lmcache_store, heads() if heads else None)
+                weakref.finalize(self, self._lmcache[1].close)
 
     # -- vLLM hooks ------------------------------------------------------------------------------
     def load_model(self, target_model: torch.nn.Module) -> None:
@@ -232,14 +244,14 @@ class CompressedKVProposer:
         """Where stored prefix chunks come from: the package's KV connector's store; without it, the
         L2 adapter's store beside LMCache's MP server (``lmcache_store``: :mod:`.lmcache_source`);
         else none (every chunk compressed here)."""
-        if self.context.source is not None or self.opts.lmcache_store is None:
+        if self.context.source is not None or self._lmcache is None:
             return self.context.source
         if self._lmcache_source is None:
-            layout = self._kv_layout()
-            isa = (getattr(self._attn[0], "isa", None) if self._attn else None) or vllm_isa(
-                layout.dtype, self.block_tables().block_size, layout.head_size)
-            self._lmcache_source = lmcache_source(self.opts.lmcache_store, self.opts.lmcache_chunk_size,
-                                                  self._model_name, layout.dtype, isa, layout.kv_heads)
+            kv = self._kv_layout()
+            block = int(kv.layers[0].shape[2])  # the CPU cache's block (its tiles); unused elsewhere
+            isa = (getattr(self._attn[0], "isa", None) if self._attn else None) or vllm_isa(kv.dtype, block, kv.head_size)
+            self._lmcache_source = lmcache_source(*self._lmcache, self.opts.lmcache_chunk_size, self._model_name,
+                                                  kv.dtype, planes_layout(kv.device, isa, block))
         return self._lmcache_source
 
     # -- draft caches -----------------------------------------------------------------------------

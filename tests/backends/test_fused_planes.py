@@ -17,7 +17,7 @@ from test_lmcache_l2 import bits, build_adapter, memory_obj, wait_for  # noqa: E
 
 from lmcache_vericache.backends.keys import prefix_hashes  # noqa: E402
 from lmcache_vericache.backends.lmcache import fused_planes as fp  # noqa: E402
-from lmcache_vericache.connectors.lmcache_source import lmcache_source  # noqa: E402
+from lmcache_vericache.connectors.lmcache_source import lmcache_source, open_store, planes_layout  # noqa: E402
 from lmcache_vericache.testing.servers import shipped_spec  # noqa: E402
 
 LAYERS, BLOCKS, HEADS, BS, D = 2, 5, 3, 128, 64
@@ -58,7 +58,10 @@ def test_the_adapter_stores_planes_token_major_and_the_proposer_source_reads_the
     plane, kv = vllm_cpu_plane(dtype, seed=1)
     tokens = list(range(100, 100 + CHUNK))
     (chain,) = prefix_hashes(tokens, CHUNK)  # the server's blake3 prefix chain
-    key = ObjectKey(chunk_hash=chain, model_name="/models/smollm2", kv_rank=0)
+    # the kv_rank LMCache's MP server gives the one worker of TP = 1 (never 0)
+    key = ObjectKey(chunk_hash=chain, model_name="/models/smollm2",
+                    kv_rank=ObjectKey.ComputeKVRank(1, 0, 1, 0))
+    assert key.kv_rank == fp.kv_rank(1, 0)
     adapter = build_adapter(shipped_spec(disk_path=str(tmp_path / "kv"), num_kv_heads=HEADS))
     try:
         store_id = adapter.submit_store_task([key], [memory_obj(plane.clone())])
@@ -72,7 +75,9 @@ def test_the_adapter_stores_planes_token_major_and_the_proposer_source_reads_the
 
     # A vLLM beside the server, with the adapter's params: the same key from its tokens, a compressed copy.
     params = shipped_spec(disk_path=str(tmp_path / "kv"), num_kv_heads=HEADS)["adapter_params"]
-    source = lmcache_source(params, CHUNK, "/models/smollm2", dtype, fp.vllm_isa(dtype, BS, D), HEADS)
+    cfg, store = open_store(params, HEADS)
+    cpu = torch.device("cpu")
+    source = lmcache_source(cfg, store, CHUNK, "/models/smollm2", dtype, planes_layout(cpu, fp.vllm_isa(dtype, BS, D), BS))
     (skey,) = source.space.token_keys(tokens)
     assert torch.equal(source.store.get_full(skey), kv)  # stored token-major
     ckv = source.store.get_compressed(skey)
@@ -81,11 +86,11 @@ def test_the_adapter_stores_planes_token_major_and_the_proposer_source_reads_the
         for part, t in enumerate((got.keys, got.values)):
             want = kv[part, layer].view(CHUNK, HEADS, D).transpose(0, 1).float()
             assert (t.float() - want).abs().max() < 0.05 * want.abs().max()
-    # Another ISA's tiling is another key: never served.
-    other = lmcache_source(params, CHUNK, "/models/smollm2", dtype, "amx", HEADS)
-    assert other.store.get_compressed(other.space.token_keys(tokens)[0]) is None
-    source.store.close()
-    other.store.close()
+    # Another ISA's tiles, another block size, a GPU's split planes: other keys, never served.
+    for layout in (planes_layout(cpu, "amx", BS), planes_layout(cpu, "vec", 64), planes_layout(torch.device("meta"), None, BS)):
+        other = lmcache_source(cfg, store, CHUNK, "/models/smollm2", dtype, layout)
+        assert other.space.token_keys(tokens) != [skey] and not store.contains(other.space.token_keys(tokens)[0])
+    store.close()
 
 
 def test_tiling_none_keeps_planes_as_they_come_without_a_compressed_copy(tmp_path):
@@ -110,3 +115,13 @@ def test_tiling_none_keeps_planes_as_they_come_without_a_compressed_copy(tmp_pat
 def test_bad_tiling_params_raise_naming_the_key(tmp_path, params, named):
     with pytest.raises(ValueError, match=named):
         build_adapter(shipped_spec(disk_path=str(tmp_path / "kv"), num_kv_heads=HEADS, **params))
+    with pytest.raises(ValueError, match=named):  # the proposer's lmcache_store too
+        open_store(shipped_spec(disk_path=str(tmp_path / "kv"), **params)["adapter_params"], HEADS)
+
+
+@pytest.mark.parametrize("params, named", [({"capacity": "memory"}, "lmcache_store.capacity"),
+                                           ({"vllm_cpu_tiling": "none"}, "lmcache_store.vllm_cpu_tiling"),
+                                           ({"num_kv_heads": 8}, "lmcache_store.num_kv_heads")])
+def test_a_proposer_store_that_cannot_be_the_servers_is_refused_at_start_up(tmp_path, params, named):
+    with pytest.raises(ValueError, match=named):
+        open_store(shipped_spec(disk_path=str(tmp_path / "kv"), **params)["adapter_params"], HEADS)

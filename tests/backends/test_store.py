@@ -275,7 +275,7 @@ def test_build_needs_heads_and_heads_must_agree():
 
 
 def test_full_only_put_is_contained_and_served_full(tmp_path):
-    """``compress=False`` (fused vLLM CPU blocks): the full chunk is stored and served, no
+    """``compress=False`` (fused vLLM CPU blocks left tiled): the full chunk is stored and served, no
     compressed copy is made."""
     kv = torch.randn(2, 2, 16, 8)
     with DualTierStore(compressors.get("int8"), DiskTier(tmp_path), num_kv_heads=2) as store:

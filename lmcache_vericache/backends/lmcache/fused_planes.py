@@ -15,6 +15,8 @@ permutations, so a full chunk round-trips bit for bit whatever the tiling.
 
 from __future__ import annotations
 
+import platform
+
 import torch
 
 from ...connectors.paged_layout import BlockLayout, probe_layout, vec_layout
@@ -28,7 +30,17 @@ TILINGS = ("auto", "vec", "vec16", "amx", "none")
 
 
 def vllm_isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:
-    """The ISA vLLM-on-CPU (0.32) picks for its attention on this host (``_get_attn_isa``, x86)."""
+    """The ISA vLLM-on-CPU picks for its attention on this host: vLLM's own choice where vLLM is
+    importable, else vLLM 0.32's rule on x86 (``vec``, ``vec16`` or ``amx``), else ``none`` (another
+    architecture's tiles are not known here)."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        return str(_get_attn_isa(dtype, block_size, head_size))
+    except Exception:  # vLLM absent (a server's own environment) or changed: the rule below
+        pass
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return "none"
     if head_size % 32 and head_size % 16 == 0:
         return "vec16"
     if dtype == torch.bfloat16 and block_size % 32 == 0 and torch.cpu._is_amx_tile_supported():
@@ -36,15 +48,23 @@ def vllm_isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:
     return "vec" if block_size % 32 == 0 else "vec16"
 
 
+def check_tiling(tiling: object, block_size: object, where: str = "L2 adapter_params") -> None:
+    """``ValueError`` naming ``vllm_cpu_tiling`` / ``vllm_cpu_block_size`` where either is invalid."""
+    if tiling not in TILINGS:
+        raise ValueError(f"{where}: vllm_cpu_tiling must be one of {TILINGS}, got {tiling!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"{where}: vllm_cpu_block_size must be an int >= 1, got {block_size!r}")
+
+
 def block_layout(tiling: str, dtype: torch.dtype, block_size: int, head_size: int) -> BlockLayout | None:
     """The tile layout of ``tiling`` (``auto``: :func:`vllm_isa`); ``None`` for ``none``. ``amx``
     raises ``ImportError`` where vLLM is not installed (its cache-write op is the probe)."""
-    isa = vllm_isa(dtype, block_size, head_size) if tiling == "auto" else tiling
+    isa = isa_of(tiling, dtype, block_size, head_size)
     if isa == "none":
         return None
     if isa in ("vec", "vec16"):
         return vec_layout(block_size, head_size)
-    return probe_layout(isa, dtype, block_size, head_size)
+    return probe_layout(isa, dtype, block_size, head_size)  # amx; another architecture's ISA: vLLM's probe
 
 
 def isa_of(tiling: str, dtype: torch.dtype, block_size: int, head_size: int) -> str:
@@ -52,10 +72,25 @@ def isa_of(tiling: str, dtype: torch.dtype, block_size: int, head_size: int) -> 
     return vllm_isa(dtype, block_size, head_size) if tiling == "auto" else tiling
 
 
-def layout_name(isa: str) -> str:
-    """Key-space layout of fused planes stored token-major after undoing ISA ``isa``'s tiles: what
-    the adapter stores them under and the proposer beside the server asks for."""
-    return f"{LAYOUT_VLLM_CPU_FUSED}.{isa}"
+def layout_name(isa: str, block_size: int) -> str:
+    """Key-space layout of fused planes stored token-major after undoing the tiles of ISA ``isa``
+    over ``block_size``-token blocks: what the adapter stores them under and the proposer beside the
+    server asks for (both facts, so a server configured with another tiling never serves its chunks
+    to an engine that tiles otherwise)."""
+    return f"{LAYOUT_VLLM_CPU_FUSED}.{isa}.b{block_size}"
+
+
+def qualified(layout: str, kv_rank: int = 0, group: int = 0, salt: str | None = None) -> str:
+    """``layout`` with an MP ``ObjectKey``'s qualifiers (rank, object group, cache salt), as the
+    adapter's key spaces name them."""
+    return layout + "".join(f"/{n}.{v}" for n, v in (("rank", kv_rank), ("group", group), ("salt", salt)) if v)
+
+
+def kv_rank(world_size: int = 1, rank: int = 0) -> int:
+    """The ``kv_rank`` LMCache's MP server gives a worker's objects (``ObjectKey.ComputeKVRank`` of
+    LMCache 0.5.6: world size, global rank, local world size, local rank, a byte each; a worker is
+    its own local world here): 16,777,472 for the one worker of TP = PP = 1."""
+    return (world_size << 24) | (rank << 16) | (world_size << 8) | rank
 
 
 def token_major(plane: torch.Tensor, layout: BlockLayout, heads: int) -> torch.Tensor:

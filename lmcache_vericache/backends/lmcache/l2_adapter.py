@@ -18,10 +18,11 @@ scheme, the compressor), with the key's rank, object group and cache salt as qua
 K/V planes ``[2, L, T, W]`` are the engine's ``kv_2ltd`` layout and are found by every host.
 vLLM-on-CPU's fused paged planes ``[L, T, 2W]`` hold vLLM's block tiles, not token rows
 (:mod:`.fused_planes`): with ``vllm_cpu_tiling`` (default ``auto``: the ISA vLLM picks on this host)
-they are stored token-major with a compressed copy, in layout ``vllm_cpu_fused.<isa>``, which the
-package's proposer in a vLLM beside this server reads to draft (its ``lmcache_store`` option), and
-tiled back on load; with ``none``, as they come, full-only, in layout ``vllm_cpu_fused``. Either way
-only an engine with the same tiling is served one.
+they are stored token-major with a compressed copy, in layout ``vllm_cpu_fused.<isa>.b<block>``,
+which the package's proposer in a vLLM beside this server reads to draft (its ``lmcache_store``
+option), and tiled back on load; with ``none`` (or a dtype the compressors do not take, partial
+blocks), as they come, full-only, in layout ``vllm_cpu_fused``. Either way a server configured with
+another tiling never serves its chunks to an engine that tiles otherwise.
 
 Any other object (another shape, a dtype that is not KV's, a width the head count does not divide:
 LMCache's own ``lmcache bench l2`` hands over 1-D ``uint8`` buffers) is stored whole: its raw bytes
@@ -120,10 +121,7 @@ class VeriCacheL2AdapterConfig(L2AdapterConfigBase):
     when the server parses its arguments (a bad key raises ``ValueError`` naming it)."""
 
     def __init__(self, store: StoreConfig, vllm_cpu_tiling: str = "auto", vllm_cpu_block_size: int = 128) -> None:
-        if vllm_cpu_tiling not in fp.TILINGS:
-            raise ValueError(f"L2 adapter_params: vllm_cpu_tiling must be one of {fp.TILINGS}, got {vllm_cpu_tiling!r}")
-        if isinstance(vllm_cpu_block_size, bool) or not isinstance(vllm_cpu_block_size, int) or vllm_cpu_block_size < 1:
-            raise ValueError(f"L2 adapter_params: vllm_cpu_block_size must be an int >= 1, got {vllm_cpu_block_size!r}")
+        fp.check_tiling(vllm_cpu_tiling, vllm_cpu_block_size)
         self.store = store
         self.vllm_cpu_tiling = vllm_cpu_tiling  # how vLLM-on-CPU tiles its blocks (module docstring)
         self.vllm_cpu_block_size = vllm_cpu_block_size  # vLLM-on-CPU's block size (its default: 128)
@@ -170,6 +168,7 @@ class VeriCacheL2Adapter(L2AdapterInterface):
         self.tiling, self.block_size = config.vllm_cpu_tiling, config.vllm_cpu_block_size
         self.store = config.store.build()
         self._layouts: dict[tuple, Any] = {}  # (dtype, head size) -> (tile layout or None, layout name)
+        self._layouts_lock = threading.Lock()  # its own: a first probe may import vLLM (seconds)
         self._spaces: dict[tuple, KeySpace] = {}
         self._efds = {op: create_event_notifier() for op in ("store", "lookup", "load")}
         self._ids = itertools.count()
@@ -206,39 +205,39 @@ class VeriCacheL2Adapter(L2AdapterInterface):
     def _tiles(self, shape: Sequence[int], dtype: torch.dtype) -> tuple[Any, str]:
         """``(tile layout, layout name)`` of a fused plane of ``shape``: the tiling undone on store
         (:mod:`.fused_planes`), or ``(None, "vllm_cpu_fused")`` where it is stored as it comes
-        (``vllm_cpu_tiling: none``, a plane of partial blocks, a dtype the tiles cannot be probed
-        in, or ``amx`` without vLLM in this process)."""
+        (``vllm_cpu_tiling: none`` or resolved to it, a plane of partial blocks, a dtype the
+        compressors do not take, tiles that cannot be had here: ``amx`` without vLLM)."""
         heads = self.store.num_kv_heads
         head_size = int(shape[-1]) // (2 * heads)
-        spec = (dtype, head_size)
-        if spec not in self._layouts:
-            try:
-                tiles = fp.block_layout(self.tiling, dtype, self.block_size, head_size)
-                name = fp.layout_name(fp.isa_of(self.tiling, dtype, self.block_size, head_size))
-            except (ImportError, NotImplementedError, RuntimeError) as e:
-                logger.warning("VeriCacheL2Adapter: vLLM-on-CPU %s planes (head size %d) are stored full-only "
-                               "(no compressed copy to draft from): %s", dtype, head_size, e)
-                tiles, name = None, LAYOUT_VLLM_CPU_FUSED
-            self._layouts[spec] = (tiles, name) if tiles is not None else (None, LAYOUT_VLLM_CPU_FUSED)
-        tiles, name = self._layouts[spec]
-        if tiles is None or not fp.fits(shape, self.block_size, heads):
+        if dtype not in CHUNK_DTYPES or not fp.fits(shape, self.block_size, heads):
             return None, LAYOUT_VLLM_CPU_FUSED
-        return tiles, name
+        spec = (dtype, head_size)
+        with self._layouts_lock:  # one probe and one warning per spec, whichever thread asks first
+            if spec not in self._layouts:
+                try:
+                    isa = fp.isa_of(self.tiling, dtype, self.block_size, head_size)
+                    tiles = fp.block_layout(isa, dtype, self.block_size, head_size)
+                except Exception as e:  # no vLLM for an amx probe, a changed op: stored as they come
+                    logger.warning("VeriCacheL2Adapter: vLLM-on-CPU %s planes (head size %d) are stored as they "
+                                   "come, full-only (no compressed copy to draft from): %s", dtype, head_size, e)
+                    tiles = None
+                name = fp.layout_name(isa, self.block_size) if tiles is not None else LAYOUT_VLLM_CPU_FUSED
+                self._layouts[spec] = (tiles, name)
+            return self._layouts[spec]
 
     def _mark_key(self, key: ObjectKey) -> str:
         """Store key of the shape-free marker of the opaque object last stored under ``key``."""
         return self._space(key, LAYOUT_OPAQUE_MARK, 1, torch.uint8).key(key.chunk_hash)
 
     def _space(self, key: ObjectKey, layout: str, tokens: int, dtype: torch.dtype) -> KeySpace:
-        qual = "".join(f"/{n}.{v}" for n, v in (("rank", key.kv_rank), ("group", key.object_group_id),
-                                                  ("salt", key.cache_salt)) if v)
-        spec = (key.model_name, layout + qual, tokens, dtype)
+        layout = fp.qualified(layout, key.kv_rank, key.object_group_id, key.cache_salt)
+        spec = (key.model_name, layout, tokens, dtype)
         space = self._spaces.get(spec)
         if space is None:
             if len(self._spaces) >= _MAX_SPACES:
                 self._spaces.clear()
             space = self._spaces[spec] = self.config.key_space(
-                model=key.model_name, dtype=dtype, chunk_size=tokens, layout=layout + qual)
+                model=key.model_name, dtype=dtype, chunk_size=tokens, layout=layout)
         return space
 
     # -- event fds ------------------------------------------------------------------------------
@@ -320,7 +319,7 @@ class VeriCacheL2Adapter(L2AdapterInterface):
             # in the dtypes the compressors take.
             tiles = self._tiles(t.shape, t.dtype)[0] if t.dim() == 3 else None
             chunk = fp.token_major(t, tiles, self.store.num_kv_heads) if tiles is not None else kv_2ltd_view(t)
-            self.store.put(skey, chunk, compress=(t.dim() == 4 or tiles is not None) and t.dtype in CHUNK_DTYPES)
+            self.store.put(skey, chunk, compress=(t.dim() == 4 and t.dtype in CHUNK_DTYPES) or tiles is not None)
             return True
         self._note_opaque(t)
         written = not self.store.has_full(skey)
