@@ -82,3 +82,35 @@ def test_build_transfer_sorts_layers_by_index_and_checks_heads(tmp_path):
             build_transfer(caches, lambda names: ["vec"] * len(names), store, space, num_kv_heads=3, **common)
     finally:
         store.close()
+
+
+def test_a_save_of_a_chunk_a_memory_store_holds_is_skipped_before_its_gather():
+    """With ``capacity: memory`` the scheduler (another process under vLLM's multiprocessing) cannot
+    see what the worker's store holds and plans every prompt chunk again each time a prompt comes back;
+    the worker skips those before gathering them on vLLM's thread (each one once cost a gather)."""
+    from lmcache_vericache.connectors.paged_transfer import SaveSpec
+
+    class CountingLayout(CpuBlockLayout):
+        gathers = 0
+
+        def gather(self, slots):
+            CountingLayout.gathers += 1
+            return super().gather(slots)
+
+    store = DualTierStore(compressors.get("int8"), MemoryTier(1 << 30), num_kv_heads=HEADS)
+    space = KeySpace(model="test", dtype="float32", chunk_size=CHUNK, compressor=store.compressor.name)
+    keys = space.token_keys(list(range(2 * CHUNK)))
+    caches = [torch.randn(8, HEADS, BLOCK, 2 * HEAD) for _ in range(LAYERS)]
+    stats = ConnectorStats()
+    transfer = PagedTransfer(store, space, CHUNK, BLOCK, CountingLayout(caches, lambda: ["vec"] * LAYERS),
+                             draft_tokens=0, load_timeout_s=30, stats=stats)
+    try:
+        transfer.save([SaveSpec("a", [(keys[0], 0)], [5, 2, 7, 0])])
+        transfer.flush()
+        assert stats.saved_chunks == 1 and store.has_full(keys[0]) and CountingLayout.gathers == 1
+        transfer.save([SaveSpec("b", [(keys[0], 0), (keys[1], CHUNK)], [5, 2, 7, 0])])  # the same prompt again
+        transfer.flush()
+        assert stats.saved_chunks == 2 and store.has_full(keys[1]) and CountingLayout.gathers == 2  # keys[1] only
+    finally:
+        transfer.close()
+        store.close()
