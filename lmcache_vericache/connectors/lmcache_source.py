@@ -19,13 +19,13 @@ from typing import Any
 import torch
 
 from ..backends import StoreConfig
+from ..backends import fused_planes as fp
 from ..backends.keys import LAYOUT_2LTD
-from ..backends.lmcache import fused_planes as fp
 from ..backends.store import DualTierStore
 from .worker_context import ChunkSource
 
 #: ``lmcache_store`` keys that only the adapter reads (how the server untiles planes), and their defaults.
-ADAPTER_ONLY = {"vllm_cpu_tiling": "auto", "vllm_cpu_block_size": 128}
+ADAPTER_ONLY = (("vllm_cpu_tiling", "auto"), ("vllm_cpu_block_size", 128))
 
 
 def store_config(params: Mapping[str, Any], where: str = "lmcache_store", prefix: str = "lmcache_store.") -> StoreConfig:
@@ -34,12 +34,12 @@ def store_config(params: Mapping[str, Any], where: str = "lmcache_store", prefix
     (not ``memory``) and its planes must be stored token-major (not ``vllm_cpu_tiling: none``)."""
     if not isinstance(params, Mapping):
         raise ValueError(f"{where} must be a JSON object (the L2 adapter's adapter_params), got {params!r}")
-    tiling = {k: params.get(k, default) for k, default in ADAPTER_ONLY.items()}
+    tiling = {k: params.get(k, default) for k, default in ADAPTER_ONLY}
     fp.check_tiling(tiling["vllm_cpu_tiling"], tiling["vllm_cpu_block_size"], where=where)
     if tiling["vllm_cpu_tiling"] == "none":
         raise ValueError(f"{where}: {prefix}vllm_cpu_tiling is 'none': the server stores planes full-only, "
                          "with nothing to draft from")
-    cfg = StoreConfig.parse({k: v for k, v in params.items() if k not in ADAPTER_ONLY}, where=where, prefix=prefix)
+    cfg = StoreConfig.parse({k: v for k, v in params.items() if k not in dict(ADAPTER_ONLY)}, where=where, prefix=prefix)
     if cfg.capacity == "memory":
         raise ValueError(f"{where}: {prefix}capacity is 'memory' (the default): a store private to this "
                          "process, never the server's; give the server's disk / redis / ... tier")

@@ -19,38 +19,14 @@ bfloat16 and float16 caches; quantized (fp8) caches raise ``NotImplementedError`
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
+
+from ..backends.fused_planes import BlockLayout, vec_layout  # noqa: F401  (the closed form, host-neutral)
 
 Tensor = torch.Tensor
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DIGIT = 16  # base of the index encoding: digits 1..16 are exact in every float dtype above
-
-
-@dataclass(frozen=True)
-class BlockLayout:
-    """``src[part, t, d]``: offset inside a (block, head) tile of K (part 0) / V (part 1) of
-    in-block token ``t``, dim ``d``."""
-
-    src: Tensor  # [2, block_size, head_size] int64
-
-    @property
-    def block_size(self) -> int:
-        return self.src.shape[1]
-
-    @property
-    def head_size(self) -> int:
-        return self.src.shape[2]
-
-
-def vec_layout(block_size: int, head_size: int) -> BlockLayout:
-    """Closed form of the ``vec``/``vec16`` kernels: K transposed, then V token-major."""
-    t = torch.arange(block_size)[:, None]
-    d = torch.arange(head_size)[None, :]
-    k = d * block_size + t
-    v = block_size * head_size + t * head_size + d
-    return BlockLayout(torch.stack([k, v]))
 
 
 @functools.cache

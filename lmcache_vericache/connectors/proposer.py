@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from .. import compressors
-from ..backends.lmcache.fused_planes import vllm_isa
+from ..backends.fused_planes import vllm_isa
 from ..compressors import KVCompressor
 from ..engine.draft_cache import DraftCaches
 from .device_io import TorchCuda

@@ -43,7 +43,9 @@
   is refused with TP or PP > 1: drafts from a side thread would need rank-synchronous collectives.
 * One store per engine, held by its :class:`~.worker_context.WorkerContext` (the scheduler and
   worker sides share it where vLLM runs them in one process), so ``capacity: memory`` works within
-  one vLLM instance; share across instances with disk, redis, redis_cluster, lm or nixl.
+  one vLLM instance; share across instances with disk, redis, redis_cluster, lm or nixl. Where the
+  scheduler runs in another process, its memory store never sees the worker's chunks: it plans
+  saves of chunks the worker holds, which the worker skips before gathering them.
 """
 
 from __future__ import annotations

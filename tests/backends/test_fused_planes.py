@@ -1,6 +1,6 @@
 """vLLM-on-CPU's fused MP objects made token-major: planes written by vLLM's own cache-write op and
 gathered by LMCache's own MP transfer (the path a real server's objects take), then untiled by
-:mod:`lmcache_vericache.backends.lmcache.fused_planes` and stored by the L2 adapter with a
+:mod:`lmcache_vericache.backends.fused_planes` and stored by the L2 adapter with a
 compressed copy, and tiled back bit for bit on load."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from lmcache.v1.distributed.api import ObjectKey  # noqa: E402
 from lmcache.v1.multiprocess.transfer_context.base import gather_paged_kv_to_cpu  # noqa: E402
 from test_lmcache_l2 import bits, build_adapter, memory_obj, wait_for  # noqa: E402
 
+from lmcache_vericache.backends import fused_planes as fp  # noqa: E402
 from lmcache_vericache.backends.keys import prefix_hashes  # noqa: E402
-from lmcache_vericache.backends.lmcache import fused_planes as fp  # noqa: E402
 from lmcache_vericache.connectors.lmcache_source import lmcache_source, open_store, planes_layout  # noqa: E402
 from lmcache_vericache.testing.servers import shipped_spec  # noqa: E402
 

@@ -17,7 +17,7 @@ the engine computes it); the store key is :meth:`KeySpace.key` of it in the spac
 scheme, the compressor), with the key's rank, object group and cache salt as qualifiers. Split
 K/V planes ``[2, L, T, W]`` are the engine's ``kv_2ltd`` layout and are found by every host.
 vLLM-on-CPU's fused paged planes ``[L, T, 2W]`` hold vLLM's block tiles, not token rows
-(:mod:`.fused_planes`): with ``vllm_cpu_tiling`` (default ``auto``: the ISA vLLM picks on this host)
+(:mod:`lmcache_vericache.backends.fused_planes`): with ``vllm_cpu_tiling`` (default ``auto``: the ISA vLLM picks on this host)
 they are stored token-major with a compressed copy, in layout ``vllm_cpu_fused.<isa>.b<block>``,
 which the package's proposer in a vLLM beside this server reads to draft (its ``lmcache_store``
 option), and tiled back on load; with ``none`` (or a dtype the compressors do not take, partial
@@ -54,9 +54,9 @@ from lmcache.v1.platform import create_event_notifier
 from ... import metrics as M
 from ...compressors.codec import CHUNK_DTYPES
 from ...workers import torch_serial
+from .. import fused_planes as fp
 from ..config import StoreConfig
 from ..keys import LAYOUT_2LTD, KeySpace
-from . import fused_planes as fp
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
@@ -206,7 +206,7 @@ class VeriCacheL2Adapter(L2AdapterInterface):
         """``(tile layout, layout name)`` of a fused plane of ``shape``: the tiling undone on store
         (:mod:`.fused_planes`), or ``(None, "vllm_cpu_fused")`` where it is stored as it comes
         (``vllm_cpu_tiling: none`` or resolved to it, a plane of partial blocks, a dtype the
-        compressors do not take, tiles that cannot be had here: ``amx`` without vLLM)."""
+        compressors do not take, tiles not known here: ``amx``, another architecture's)."""
         heads = self.store.num_kv_heads
         head_size = int(shape[-1]) // (2 * heads)
         if dtype not in CHUNK_DTYPES or not fp.fits(shape, self.block_size, heads):
@@ -217,7 +217,7 @@ class VeriCacheL2Adapter(L2AdapterInterface):
                 try:
                     isa = fp.isa_of(self.tiling, dtype, self.block_size, head_size)
                     tiles = fp.block_layout(isa, dtype, self.block_size, head_size)
-                except Exception as e:  # no vLLM for an amx probe, a changed op: stored as they come
+                except Exception as e:  # any failure: stored as they come
                     logger.warning("VeriCacheL2Adapter: vLLM-on-CPU %s planes (head size %d) are stored as they "
                                    "come, full-only (no compressed copy to draft from): %s", dtype, head_size, e)
                     tiles = None

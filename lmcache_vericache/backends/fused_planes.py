@@ -5,8 +5,10 @@ LMCache's MP server hands an adapter vLLM-on-CPU's KV as one plane per chunk, ``
 ``b * BS + r``, columns ``h * 2D .. (h + 1) * 2D`` of a layer's plane hold bytes ``r * 2D ..
 (r + 1) * 2D`` of block ``b``'s tile of head ``h``. Inside a tile, the cache-write kernel of vLLM's
 attention ISA decides where token ``t``'s K or V dim ``d`` lands
-(:mod:`lmcache_vericache.connectors.paged_layout`): ``vec`` / ``vec16`` have a closed form, ``amx``
-is probed with vLLM's own op (vLLM must be importable in the server).
+(docs/host-notes.md#vllm-cpu-block-layout): ``vec`` / ``vec16`` have a closed form (:func:`vec_layout`);
+``amx`` is only known by probing vLLM's own op, which the package's vLLM side does
+(:mod:`lmcache_vericache.connectors.paged_layout`), not a store or an LMCache server: planes tiled
+that way are stored as they come.
 
 :func:`token_major` turns such a plane into the store's ``[2, L, T, W]`` chunk (compressible, what
 a drafter reads), :func:`tile_into` writes a chunk back into a plane; the two are inverse
@@ -16,29 +18,46 @@ permutations, so a full chunk round-trips bit for bit whatever the tiling.
 from __future__ import annotations
 
 import platform
+from dataclasses import dataclass
 
 import torch
-
-from ...connectors.paged_layout import BlockLayout, probe_layout, vec_layout
 
 #: vLLM-on-CPU's fused K/V plane ``[L, T, 2W]`` (LMCache ``kv_size == 1``) stored as it comes: rows
 #: are paged blocks tiled in vLLM's own order, not tokens (docs/host-notes.md#vllm-cpu-block-layout).
 LAYOUT_VLLM_CPU_FUSED = "vllm_cpu_fused"
 #: ``vllm_cpu_tiling`` values: a vLLM CPU attention ISA, ``auto`` (vLLM's own choice on this host)
 #: or ``none`` (planes stored as they come, full-only: no drafting from them).
-TILINGS = ("auto", "vec", "vec16", "amx", "none")
+TILINGS = ("auto", "vec", "vec16", "none")
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """``src[part, t, d]``: offset inside a (block, head) tile of K (part 0) / V (part 1) of
+    in-block token ``t``, dim ``d``."""
+
+    src: torch.Tensor  # [2, block_size, head_size] int64
+
+    @property
+    def block_size(self) -> int:
+        return self.src.shape[1]
+
+    @property
+    def head_size(self) -> int:
+        return self.src.shape[2]
+
+
+def vec_layout(block_size: int, head_size: int) -> BlockLayout:
+    """Closed form of vLLM's ``vec``/``vec16`` CPU kernels: K transposed, then V token-major."""
+    t = torch.arange(block_size)[:, None]
+    d = torch.arange(head_size)[None, :]
+    k = d * block_size + t
+    v = block_size * head_size + t * head_size + d
+    return BlockLayout(torch.stack([k, v]))
 
 
 def vllm_isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:
-    """The ISA vLLM-on-CPU picks for its attention on this host: vLLM's own choice where vLLM is
-    importable, else vLLM 0.32's rule on x86 (``vec``, ``vec16`` or ``amx``), else ``none`` (another
-    architecture's tiles are not known here)."""
-    try:
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        return str(_get_attn_isa(dtype, block_size, head_size))
-    except Exception:  # vLLM absent (a server's own environment) or changed: the rule below
-        pass
+    """The ISA vLLM-on-CPU 0.32 picks for its attention on this host (its ``_get_attn_isa`` on x86:
+    ``vec``, ``vec16`` or ``amx``); ``none`` on another architecture (its tiles are not known here)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return "none"
     if head_size % 32 and head_size % 16 == 0:
@@ -57,14 +76,10 @@ def check_tiling(tiling: object, block_size: object, where: str = "L2 adapter_pa
 
 
 def block_layout(tiling: str, dtype: torch.dtype, block_size: int, head_size: int) -> BlockLayout | None:
-    """The tile layout of ``tiling`` (``auto``: :func:`vllm_isa`); ``None`` for ``none``. ``amx``
-    raises ``ImportError`` where vLLM is not installed (its cache-write op is the probe)."""
+    """The tile layout of ``tiling`` (``auto``: :func:`vllm_isa`); ``None`` where planes are stored
+    as they come (``none``; ``amx`` or another architecture's ISA: not known without vLLM's probe)."""
     isa = isa_of(tiling, dtype, block_size, head_size)
-    if isa == "none":
-        return None
-    if isa in ("vec", "vec16"):
-        return vec_layout(block_size, head_size)
-    return probe_layout(isa, dtype, block_size, head_size)  # amx; another architecture's ISA: vLLM's probe
+    return vec_layout(block_size, head_size) if isa in ("vec", "vec16") else None
 
 
 def isa_of(tiling: str, dtype: torch.dtype, block_size: int, head_size: int) -> str:
