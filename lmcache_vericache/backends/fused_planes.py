@@ -75,10 +75,10 @@ def check_tiling(tiling: object, block_size: object, where: str = "L2 adapter_pa
         raise ValueError(f"{where}: vllm_cpu_block_size must be an int >= 1, got {block_size!r}")
 
 
-def block_layout(tiling: str, dtype: torch.dtype, block_size: int, head_size: int) -> BlockLayout | None:
-    """The tile layout of ``tiling`` (``auto``: :func:`vllm_isa`); ``None`` where planes are stored
-    as they come (``none``; ``amx`` or another architecture's ISA: not known without vLLM's probe)."""
-    isa = isa_of(tiling, dtype, block_size, head_size)
+def block_layout(isa: str, block_size: int, head_size: int) -> BlockLayout | None:
+    """The tile layout of ISA ``isa`` (:func:`isa_of` resolves a ``vllm_cpu_tiling``); ``None`` where
+    planes are stored as they come (``none``; ``amx`` or another architecture's ISA: not known
+    without vLLM's probe)."""
     return vec_layout(block_size, head_size) if isa in ("vec", "vec16") else None
 
 

@@ -45,7 +45,7 @@ def vllm_cpu_plane(dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, tor
 def test_a_gathered_plane_untiles_to_its_tokens_and_tiles_back_bit_for_bit(dtype):
     plane, kv = vllm_cpu_plane(dtype)
     assert plane.shape == (LAYERS, CHUNK, 2 * HEADS * D)
-    tiles = fp.block_layout("auto", dtype, BS, D)
+    tiles = fp.block_layout(fp.isa_of("auto", dtype, BS, D), BS, D)
     chunk = fp.token_major(plane, tiles, HEADS)
     assert torch.equal(chunk, kv)
     back = torch.zeros_like(plane)

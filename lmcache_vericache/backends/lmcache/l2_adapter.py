@@ -168,7 +168,7 @@ class VeriCacheL2Adapter(L2AdapterInterface):
         self.tiling, self.block_size = config.vllm_cpu_tiling, config.vllm_cpu_block_size
         self.store = config.store.build()
         self._layouts: dict[tuple, Any] = {}  # (dtype, head size) -> (tile layout or None, layout name)
-        self._layouts_lock = threading.Lock()  # its own: a first probe may import vLLM (seconds)
+        self._layouts_lock = threading.Lock()
         self._spaces: dict[tuple, KeySpace] = {}
         self._efds = {op: create_event_notifier() for op in ("store", "lookup", "load")}
         self._ids = itertools.count()
@@ -191,16 +191,18 @@ class VeriCacheL2Adapter(L2AdapterInterface):
         """Store key of ``key`` for an object of ``shape``/``dtype`` (the shared scheme)."""
         return self._key(key, shape, dtype)[0]
 
-    def _key(self, key: ObjectKey, shape: Sequence[int], dtype: torch.dtype) -> tuple[str, bool]:
-        """``(store key, is KV)`` of ``key`` for an object of ``shape``/``dtype``."""
+    def _key(self, key: ObjectKey, shape: Sequence[int], dtype: torch.dtype) -> tuple[str, bool, Any]:
+        """``(store key, is KV, tile layout)`` of ``key`` for an object of ``shape``/``dtype``; the
+        tile layout is a fused plane's that is stored token-major (:meth:`_tiles`), else ``None``."""
         kv = kv_layout(shape, dtype, self.store.num_kv_heads)
+        tiles = None
         if kv is None:  # not KV: the layout binds the exact shape, the space the dtype
             layout, tokens = LAYOUT_OPAQUE + "[" + ",".join(str(int(s)) for s in shape) + "]", 1
         else:
             layout, tokens = kv
             if layout == LAYOUT_VLLM_CPU_FUSED:
-                layout = self._tiles(shape, dtype)[1]
-        return self._space(key, layout, tokens, dtype).key(key.chunk_hash), kv is not None
+                tiles, layout = self._tiles(shape, dtype)
+        return self._space(key, layout, tokens, dtype).key(key.chunk_hash), kv is not None, tiles
 
     def _tiles(self, shape: Sequence[int], dtype: torch.dtype) -> tuple[Any, str]:
         """``(tile layout, layout name)`` of a fused plane of ``shape``: the tiling undone on store
@@ -212,15 +214,17 @@ class VeriCacheL2Adapter(L2AdapterInterface):
         if dtype not in CHUNK_DTYPES or not fp.fits(shape, self.block_size, heads):
             return None, LAYOUT_VLLM_CPU_FUSED
         spec = (dtype, head_size)
-        with self._layouts_lock:  # one probe and one warning per spec, whichever thread asks first
+        with self._layouts_lock:  # one warning per spec, whichever thread asks first
             if spec not in self._layouts:
                 try:
                     isa = fp.isa_of(self.tiling, dtype, self.block_size, head_size)
-                    tiles = fp.block_layout(isa, dtype, self.block_size, head_size)
-                except Exception as e:  # any failure: stored as they come
+                except Exception as e:  # a torch without the AMX probe: stored as they come
+                    isa = f"unknown ({type(e).__name__}: {e})"
+                tiles = fp.block_layout(isa, self.block_size, head_size)
+                if tiles is None and self.tiling != "none":
                     logger.warning("VeriCacheL2Adapter: vLLM-on-CPU %s planes (head size %d) are stored as they "
-                                   "come, full-only (no compressed copy to draft from): %s", dtype, head_size, e)
-                    tiles = None
+                                   "come, full-only (no compressed copy to draft from): ISA %s tiles are not "
+                                   "known here", dtype, head_size, isa)
                 name = fp.layout_name(isa, self.block_size) if tiles is not None else LAYOUT_VLLM_CPU_FUSED
                 self._layouts[spec] = (tiles, name)
             return self._layouts[spec]
@@ -311,13 +315,12 @@ class VeriCacheL2Adapter(L2AdapterInterface):
 
     def _store_one(self, key: ObjectKey, t: torch.Tensor) -> bool:
         """Store one object; ``False`` where it was already stored. Raises on failure."""
-        skey, kv = self._key(key, t.shape, t.dtype)
+        skey, kv, tiles = self._key(key, t.shape, t.dtype)
         if kv:
             if self.store.has_full(skey):
                 return False
             # Token rows are worth compressing (fused planes only once made token-major), and only
             # in the dtypes the compressors take.
-            tiles = self._tiles(t.shape, t.dtype)[0] if t.dim() == 3 else None
             chunk = fp.token_major(t, tiles, self.store.num_kv_heads) if tiles is not None else kv_2ltd_view(t)
             self.store.put(skey, chunk, compress=(t.dim() == 4 and t.dtype in CHUNK_DTYPES) or tiles is not None)
             return True
@@ -404,18 +407,16 @@ class VeriCacheL2Adapter(L2AdapterInterface):
         bitmap = Bitmap(len(keys))
         # A buffer with no tensor gets a key no value has (a miss) instead of failing the task.
         resolved = [self._load_key(k, o) for k, o in zip(keys, objects, strict=True)]
-        skeys = [skey for skey, _ in resolved]
-        handle = self.store.prefetch(skeys, not_kv=[skey for skey, kv in resolved if not kv])  # in parallel
+        skeys = [skey for skey, _, _ in resolved]
+        handle = self.store.prefetch(skeys, not_kv=[skey for skey, kv, _ in resolved if not kv])  # in parallel
         loaded = []
         for i, (key, obj) in enumerate(zip(keys, objects, strict=True)):
             full = handle.wait(i)
             if full is None:
                 continue
-            tiles = None
+            _, kv, tiles = resolved[i]
             try:  # an opaque object's buffer as the bytes it was stored as (same shape and dtype: same key)
-                dst = kv_2ltd_view(obj.tensor) if resolved[i][1] else obj.tensor.view(-1).view(torch.uint8)
-                if resolved[i][1] and obj.tensor.dim() == 3:
-                    tiles = self._tiles(obj.tensor.shape, obj.tensor.dtype)[0]
+                dst = kv_2ltd_view(obj.tensor) if kv else obj.tensor.view(-1).view(torch.uint8)
             except (AttributeError, ValueError, RuntimeError):  # no tensor, no chunk shape, not contiguous
                 dst = None
             if dst is None or dst.shape != full.shape or dst.dtype != full.dtype:
@@ -436,11 +437,11 @@ class VeriCacheL2Adapter(L2AdapterInterface):
             self._notify_keys_accessed(loaded)
         return bitmap
 
-    def _load_key(self, key: ObjectKey, obj: MemoryObj) -> tuple[str, bool]:
+    def _load_key(self, key: ObjectKey, obj: MemoryObj) -> tuple[str, bool, Any]:
         try:
             return self._key(key, obj.tensor.shape, obj.tensor.dtype)
         except (AttributeError, ValueError):
-            return "unloadable-" + key.chunk_hash.hex(), True
+            return "unloadable-" + key.chunk_hash.hex(), True, None
 
     # -- status / close -------------------------------------------------------------------------
     def report_status(self) -> dict:
