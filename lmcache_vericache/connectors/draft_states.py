@@ -113,7 +113,6 @@ class StepHorizon:
         self._lengths: list[int] | None = None
         self._end: float | None = None
         self._drafted, self._draft_s = 0, 0.0
-        self._warm = False  # vLLM's first verify step seen (not a sample: one-off costs)
         self.draft_step_s: deque[float] = deque(maxlen=256)
         self.verify_step_s: deque[float] = deque(maxlen=256)
         self.plain_step_s: deque[float] = deque(maxlen=256)
@@ -136,11 +135,7 @@ class StepHorizon:
         if not steady or self._end is None:
             return
         step_s = now - self._end
-        if self._drafted and rounds and not self._warm:
-            # vLLM's first verify step pays one-off costs (3.9 s against ~0.7 s later at 8k / batch 8,
-            # bf16): priced, it made drafting look hopeless for the rest of the run.
-            self._warm = True
-        elif self._drafted and rounds:
+        if self._drafted and rounds:
             step = self._draft_s / self._drafted
             self.draft_step_s.append(step)
             self.verify_step_s.append(step_s)
