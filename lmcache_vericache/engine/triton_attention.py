@@ -5,9 +5,17 @@ as its chunks are stored (codes, scales, zeros, residual: :mod:`..compressors.fo
 :class:`ChunkPool` addressed by a chunk table (like vLLM's block table, one entry per chunk), and
 dequantize in registers: int8, int4, KIVI (2/4 bit, with its dense residual) and TurboQuant (2-4
 bit). They return out and the log-sum-exp, which the caller merges with the exact suffix as
-``runtime._merge`` does. TurboQuant's rotation is applied outside the kernel, once per call: q is
+``runtime._merge`` does, or pass that suffix's out and log-sum-exp in (``suffix``) to have it merged
+in the same launch that merges the splits (:func:`merge`). TurboQuant's rotation is applied outside the kernel, once per call: q is
 rotated by the key rotation before (``q @ R_k^T``) and the output by the value rotation after, so the
 kernel reads only codebook entries times norms.
+
+A decode step is bound by the bytes it reads (an H200 ran the first kernels at about a third of
+that bound), so: a side whose scale is one per token (:func:`folds`: int8, TurboQuant, int4 with
+one group per head) is never dequantized, its scale applied to scores and probabilities instead;
+a request's splits divide its own tiles (a short request's splits do not idle while a long one's
+run serially); and one reduce kernel merges the splits' partials (and the suffix) rather than five
+PyTorch ops.
 
 Triton is imported on first use, so the package imports without it; on a CPU the kernels run under
 ``TRITON_INTERPRET=1`` (tests; fp32 and fp16: Triton 3.9's interpreter mishandles bf16)."""
@@ -123,13 +131,22 @@ def _sizes(fmt: KVFormat, side: Side) -> dict[str, tuple[int, torch.dtype]]:
             "zero": stats, "residual": (h * (fmt.tokens - side.n_q) * d, fmt.dtype)}
 
 
-def _side_args(side: Side, bufs: dict[str, Tensor], device: torch.device) -> tuple[list, dict]:
+def folds(side: Side, head_dim: int) -> bool:
+    """Whether the kernel folds ``side``'s scale out of its tiles: one scale (and zero) per token
+    (group) and head, no dense residual. int8 and TurboQuant (a norm per vector) do; int4 only with
+    ``group_size >= head_dim`` (its default 32-channel groups do not); KIVI does not (per-channel
+    keys, per-group values, residual tails)."""
+    return side.channel_group == head_dim and side.residual is None
+
+
+def _side_args(side: Side, bufs: dict[str, Tensor], device: torch.device, head_dim: int) -> tuple[list, dict]:
     """Pointer arguments (absent parts: the codes, never read) and constexprs of one side."""
     codes = bufs["codes"]
     lut = side.codebook.to(device) if side.codebook is not None else codes
     ptrs = [codes, bufs["scale"], bufs.get("zero", codes), lut, bufs.get("residual", codes)]
     const = dict(NQ=side.n_q, BITS=side.bits, TG=side.token_group, CG=side.channel_group,
-                 ZERO=side.zero is not None, LUT=side.codebook is not None, RES=side.residual is not None)
+                 ZERO=side.zero is not None, LUT=side.codebook is not None, RES=side.residual is not None,
+                 FOLD=folds(side, head_dim))
     return ptrs, const
 
 
@@ -143,11 +160,9 @@ def launch(q: Tensor, pool: ChunkPool, table: Tensor, lengths: Tensor, scale: fl
     out = torch.empty(splits, b, h, m, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(splits, b, h, m, dtype=torch.float32, device=q.device)
     block_m = min(64, max(16, 1 << (m - 1).bit_length()))
-    (kp, kc), (vp, vc) = _side_args(fmt.k, pool.k, q.device), _side_args(fmt.v, pool.v, q.device)
-    # Tiles per split, of the widest request's tiles (whole chunks of ceil(T / tile) tiles each).
-    split_tiles = -(-table.shape[1] * -(-fmt.tokens // tile) // splits)
-    grid = (b, h, -(-m // block_m) * splits)
-    args = [q, out, lse, table, lengths, table.stride(0), m, float(scale), split_tiles, *kp, *vp]
+    (kp, kc), (vp, vc) = (_side_args(side, bufs, q.device, d) for side, bufs in ((fmt.k, pool.k), (fmt.v, pool.v)))
+    grid = (b, h, -(-m // block_m) * splits)  # each request's splits divide its own tiles (in the kernel)
+    args = [q, out, lse, table, lengths, table.stride(0), m, float(scale), *kp, *vp]
     const = dict(H=h, T=fmt.tokens, D=d, BLOCK_M=block_m, TILE=tile, SPLITS=splits,
                  BYTEWISE=tile < 32 or tile // num_warps < 8,  # where the join unpack was wrong (_unpack)
                  **{f"K_{k}": v for k, v in kc.items()}, **{f"V_{k}": v for k, v in vc.items()})
@@ -170,8 +185,10 @@ def check_format(fmt: KVFormat) -> None:
 def default_splits(b: int, h: int, m: int, chunks: int, device: torch.device) -> int:
     """Splits when the caller gives none: the fewest (a power of 2) that make the programs
     (requests x KV heads x row blocks x splits) at least 2 per SM of ``device``, so every SM has
-    programs to overlap loads with, and at most one per chunk of the table; 1 off CUDA. (On an
-    H200 at 8k tokens, 512 programs ran faster unsplit than in 2 splits, 256 faster in 4 than in 1.)"""
+    programs to overlap loads with, and at most one per chunk of the widest table row; 1 off CUDA.
+    Each request's splits divide its own tiles, so a shorter request's splits are shorter too.
+    (On an H200 at 8k tokens, with splits sized by the widest row, 512 programs ran faster unsplit
+    than in 2 splits, 256 faster in 4 than in 1.)"""
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -182,9 +199,37 @@ def default_splits(b: int, h: int, m: int, chunks: int, device: torch.device) ->
     return splits
 
 
+def merge(out: Tensor, lse: Tensor, suffix: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """One launch of the reduce kernel: the partials ``out [S, ..., D]`` (fp32, contiguous) and
+    ``lse [S, ...]`` of ``S`` splits (natural log; -inf: empty, weight 0) and, if given, ``suffix``
+    ``(out [..., D], lse [...])`` over other keys merged by log-sum-exp into ``(out [..., D] fp32,
+    lse [...])``, as ``runtime._merge`` would pairwise; rows where every part is empty get zeros and
+    -inf (``_merge`` gives NaN there)."""
+    from . import triton_kernels  # imports triton
+
+    d = out.shape[-1]
+    rows = lse[0].numel()
+    if out.shape[:-1] != lse.shape or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"partials must be fp32 contiguous out [S, ..., D] and lse [S, ...], got "
+                         f"{tuple(out.shape)} {out.dtype} and {tuple(lse.shape)}")
+    if suffix is not None:
+        if tuple(suffix[0].shape) != tuple(out.shape[1:]) or tuple(suffix[1].shape) != tuple(lse.shape[1:]):
+            raise ValueError(f"suffix must be out {tuple(out.shape[1:])} and lse {tuple(lse.shape[1:])}, "
+                             f"got {tuple(suffix[0].shape)} and {tuple(suffix[1].shape)}")
+        o2, l2 = suffix[0].contiguous(), suffix[1].float().contiguous()
+    else:
+        o2, l2 = out, lse  # never read
+    res = torch.empty(out.shape[1:], dtype=torch.float32, device=out.device)
+    res_lse = torch.empty(lse.shape[1:], dtype=torch.float32, device=out.device)
+    block = max(1, min(16, 1024 // d))
+    triton_kernels.merge_splits[(-(-rows // block),)](out, lse.contiguous(), o2, l2, res, res_lse, rows, D=d,
+                                                       SPLITS=out.shape[0], SUFFIX=suffix is not None, BLOCK_R=block)
+    return res, res_lse
+
+
 def attention(q: Tensor, pool: ChunkPool, table: Tensor, lengths: Tensor, scale: float, *,
               tile: int = 64, splits: int | None = None, num_warps: int = 4, num_stages: int | None = None,
-              check: bool = True) -> tuple[Tensor, Tensor]:
+              check: bool = True, suffix: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """Attention of query rows ``q [B, H, M, D]`` (the rows of KV head ``h``: GQA members x block
     tokens) over request ``b``'s first ``lengths[b]`` prefix tokens, held in chunk slots
     ``table[b, :]`` (int32 ``[B, max_chunks]``; token ``t`` in slot ``table[b, t // fmt.tokens]``).
@@ -197,7 +242,9 @@ def attention(q: Tensor, pool: ChunkPool, table: Tensor, lengths: Tensor, scale:
     ``num_stages=None``: 2, or 1 for a codebook format (its per-element table loads ran about twice
     as fast unpipelined on an H200, while int4/int8 ran faster with 2).
     ``check`` validates the table against the pool (a host sync; pass False on a hot path whose
-    table the caller built)."""
+    table the caller built). ``suffix``: ``(out [B, H, M, D], lse [B, H, M])`` of the same rows over
+    other keys (the exact suffix), merged by log-sum-exp in the launch that merges the splits
+    (:func:`merge`): the result is then attention over both."""
     fmt = pool.fmt
     if q.dim() != 4 or q.shape[1] != fmt.heads or q.shape[3] != fmt.head_dim:
         raise ValueError(f"q must be [B, {fmt.heads}, M, {fmt.head_dim}], got {tuple(q.shape)}")
@@ -234,12 +281,13 @@ def attention(q: Tensor, pool: ChunkPool, table: Tensor, lengths: Tensor, scale:
     grid, args, const = launch(q.contiguous(), pool, table, lengths, scale, tile, splits, num_warps)
     triton_kernels.decode_attention[grid](*args, **const, num_warps=num_warps, num_stages=num_stages)
     out, lse = args[1], args[2]
-    if splits == 1:
-        out, lse = out[0], lse[0]
+    rot = fmt.v.rotation.to(q.device) if fmt.v.rotation is not None else None
+    if suffix is not None and rot is not None:  # merged in the rotated domain (R orthogonal: o R^T R = o)
+        suffix = (suffix[0].float() @ rot.T, suffix[1])
+    if splits > 1 or suffix is not None:
+        out, lse = merge(out, lse, suffix)
     else:
-        total = lse.logsumexp(0)
-        w = (lse - total).exp().nan_to_num(0.0)  # an empty split (or prefix) has weight 0
-        out, lse = (out * w[..., None]).sum(0), total
-    if fmt.v.rotation is not None:
-        out = out @ fmt.v.rotation.to(q.device)
+        out, lse = out[0], lse[0]
+    if rot is not None:
+        out = out @ rot
     return out, lse
