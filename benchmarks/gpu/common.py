@@ -101,6 +101,30 @@ def cuda_ms(fn: Callable[[], Any], reps: int) -> float:
     return start.elapsed_time(end) / reps
 
 
+def step_ms(fn: Callable[[], Any], reps: int, cuda: bool = True) -> list[float]:
+    """Milliseconds of each of ``reps`` calls of ``fn`` (one warm-up call first): CUDA events around
+    each call on the current stream, or the host clock where ``cuda`` is false (a CPU smoke run).
+    For medians: unlike :func:`cuda_ms`'s mean, one slow call does not move them."""
+    fn()
+    if not cuda:
+        out = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
+        return out
+    import torch
+
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) for start, end in events]
+
+
 def _stage_line(stdout: str, stage: str) -> dict | None:
     """The stage line the command emitted itself, if any."""
     for text in stdout.splitlines():
