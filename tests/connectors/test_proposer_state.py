@@ -16,7 +16,8 @@ from lmcache_vericache.connectors.draft_budget import DeviceHold, DraftBudget
 from lmcache_vericache.connectors.draft_sync import BlockTables
 from lmcache_vericache.connectors.kv_layout import CpuBlockLayout
 from lmcache_vericache.connectors.proposer import CompressedKVProposer
-from lmcache_vericache.engine import Runtime, Segment
+from lmcache_vericache.engine import Runtime
+from lmcache_vericache.testing.paged_target import PagedTarget
 
 pytest.importorskip("vllm._custom_ops")
 K, B = 4, 128
@@ -29,42 +30,9 @@ def tiny_model():
     return tiny_llama(seed=0, head_dim=32)  # vLLM's CPU attention supports head sizes of 32 and up
 
 
-class Target:
-    """The 'vLLM side': a full cache per request in the runtime, mirrored into a paged cache
-    (``paged``: its layout strategy and the block size of the table's ids)."""
-
-    def __init__(self, rt: Runtime, blocks: list[int], prompt: list[int], paged):
-        self.rt, self.blocks, self.paged = rt, torch.tensor(blocks), paged
-        self.full = rt.new_cache(4096)
-        self.tokens = list(prompt)
-        self._compute(0)
-
-    def _compute(self, start: int) -> None:
-        """Compute KV of tokens[start:] (the full cache) and write it to the paged cache; append the
-        greedy next token."""
-        n = len(self.tokens) - start
-        logits, _ = self.rt.forward(torch.tensor(self.tokens[start:]), torch.arange(start, start + n),
-                                    [Segment(self.full, n)])
-        slots = pl.slots_for(self.blocks, start, start + n, self.paged.block_size)
-        self.paged.layout.scatter(slots, self.full.k[:, :, start:start + n], self.full.v[:, :, start:start + n])
-        self.tokens.append(int(logits[-1].argmax()))
-
-    def greedy(self, n: int) -> list[int]:
-        """The next n greedy tokens after tokens (without committing them)."""
-        c = self.full
-        saved, out, tok = c.n, [], self.tokens[-1]
-        for _ in range(n):
-            logits, _ = self.rt.forward(torch.tensor([tok]), torch.tensor([c.n]), [Segment(c, 1)])
-            tok = int(logits[0].argmax())
-            out.append(tok)
-        c.n = saved
-        return out
-
-    def accept(self, m: int) -> None:
-        """Commit m more greedy tokens (what vLLM does after verification)."""
-        start = self.full.n
-        self.tokens += self.greedy(m)  # m accepted drafts; _compute adds the bonus token
-        self._compute(start)
+def Target(rt: Runtime, blocks: list[int], prompt: list[int], paged) -> PagedTarget:
+    """The 'vLLM side' (``paged``: its layout strategy and the block size of the table's ids)."""
+    return PagedTarget(rt, paged.layout, blocks, prompt, paged.block_size)
 
 
 def cpu_paged(rt, blocks=12):
@@ -111,7 +79,7 @@ def call(p, targets):
     rows = np.zeros((4, 4096), dtype=np.int32)
     for i, t in enumerate(targets):
         rows[i, :len(t.tokens)] = t.tokens
-    set_table(p, [t.blocks.tolist() for t in targets])
+    set_table(p, [t.blocks for t in targets])
     n = np.array([len(t.tokens) for t in targets] + [0] * (4 - len(targets)), dtype=np.int32)
     return p.propose([[t.tokens[-1]] for t in targets], n, rows)
 
@@ -149,10 +117,10 @@ def test_a_step_drafts_from_its_own_block_table(tiny_model, paged):
     g = torch.Generator().manual_seed(5)
     t = Target(p.rt, old, torch.randint(0, 256, (300,), generator=g).tolist(), paged)
     assert call(p, [t]) == [t.greedy(K)]
-    t.blocks = torch.tensor(new)
+    t.blocks = list(new)
     n = len(t.tokens) - 1
     slots_old = pl.slots_for(torch.tensor(old), 0, n, paged.block_size)
-    paged.layout.scatter(pl.slots_for(t.blocks, 0, n, paged.block_size), *paged.layout.gather(slots_old))
+    paged.layout.scatter(pl.slots_for(torch.tensor(t.blocks), 0, n, paged.block_size), *paged.layout.gather(slots_old))
     every = pl.slots_for(torch.tensor(old), 0, len(old) * paged.block_size, paged.block_size)
     garbage = torch.full_like(t.full.k[:, :, :1], 1e4).expand(-1, -1, len(every), -1)
     paged.layout.scatter(every, garbage, garbage)

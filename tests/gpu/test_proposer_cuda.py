@@ -12,62 +12,22 @@ import numpy as np
 import torch
 from packaging.version import Version
 
-from lmcache_vericache.connectors import paged_layout as pl
 from lmcache_vericache.connectors import vllm_version
 from lmcache_vericache.connectors.draft_sync import BlockTables
 from lmcache_vericache.connectors.kv_layout import LogicalLayout
 from lmcache_vericache.connectors.proposer import CompressedKVProposer
-from lmcache_vericache.engine import Runtime, Segment
+from lmcache_vericache.engine import Runtime
 from lmcache_vericache.models import tiny_llama
 from lmcache_vericache.testing.paged_caches import layout_caches
+from lmcache_vericache.testing.paged_target import PagedTarget
 
 K, VLLM_BLOCK, KERNEL_BLOCK = 4, 64, 16
 SHAPE = dict(hidden_size=576, intermediate_size=384, num_hidden_layers=4, num_attention_heads=9,
              num_key_value_heads=3, head_dim=64, vocab_size=256)
 
 
-class Target:
-    """vLLM's side: the full KV of one request, computed by the runtime and written into the paged
-    caches at its blocks' slots."""
-
-    def __init__(self, rt, layout, blocks: list[int], prompt: list[int]):
-        self.rt, self.layout, self.blocks = rt, layout, list(blocks)
-        self.full = rt.new_cache(2048)
-        self.tokens = list(prompt)
-        self._compute(0)
-
-    def _compute(self, start: int) -> None:
-        n = len(self.tokens) - start
-        pos = torch.arange(start, start + n, device=self.rt.device)
-        logits, _ = self.rt.forward(torch.tensor(self.tokens[start:], device=self.rt.device), pos,
-                                    [Segment(self.full, n)])
-        self.write(start, start + n)
-        self.tokens.append(int(logits[-1].argmax()))
-
-    def write(self, start: int, stop: int) -> None:
-        slots = pl.slots_for(torch.tensor(self.blocks), start, stop, VLLM_BLOCK)
-        self.layout.scatter(slots, self.full.k[:, :, start:stop], self.full.v[:, :, start:stop])
-
-    def greedy(self, n: int) -> list[int]:
-        c, out, tok = self.full, [], self.tokens[-1]
-        saved = c.n
-        for _ in range(n):
-            logits, _ = self.rt.forward(torch.tensor([tok], device=self.rt.device),
-                                        torch.tensor([c.n], device=self.rt.device), [Segment(c, 1)])
-            tok = int(logits[0].argmax())
-            out.append(tok)
-        c.n = saved
-        return out
-
-    def accept(self, m: int) -> None:
-        start = self.full.n
-        self.tokens += self.greedy(m)
-        self._compute(start)
-
-    def move(self, blocks: list[int]) -> None:
-        """vLLM swapped the request out and in again at other blocks."""
-        self.blocks = list(blocks)
-        self.write(0, self.full.n)
+def Target(rt: Runtime, layout, blocks: list[int], prompt: list[int]) -> PagedTarget:
+    return PagedTarget(rt, layout, blocks, prompt, VLLM_BLOCK, capacity=2048)
 
 
 def check_drafts(device: str, monkeypatch) -> None:
