@@ -17,7 +17,7 @@ import torch
 
 ROOT = Path(__file__).parents[2]
 GPU = ROOT / "benchmarks" / "gpu"
-STAGES = ["install", "facts", "pcie", "tests", "attention", "vllm", "engine"]
+STAGES = ["install", "facts", "pcie", "tests", "attention", "draft_step", "vllm", "engine"]
 
 
 def check(tmp_path: Path, **env: str) -> tuple[list[dict], list[dict]]:
@@ -43,7 +43,8 @@ def test_shell_scripts_parse_and_python_files_compile(tmp_path):
     for script in ("check.sh", "install.sh"):
         subprocess.run(["bash", "-n", str(GPU / script)], check=True)
     files = sorted(GPU.glob("*.py"))
-    assert {"common.py", "facts.py", "pcie.py", "vllm_decode.py", "engine_cuda.py"} <= {f.name for f in files}
+    assert {"common.py", "facts.py", "pcie.py", "vllm_decode.py", "engine_cuda.py", "draft_step.py"} <= {
+        f.name for f in files}
     for f in files:
         py_compile.compile(str(f), cfile=str(tmp_path / (f.name + "c")), doraise=True)
 
@@ -64,6 +65,11 @@ def test_dry_run_prints_one_line_per_stage_and_appends_the_same_lines(tmp_path):
     assert by["tests"]["results"]["tests"] >= 30
     assert by["attention"]["ok"], by["attention"]  # its dry run: options and imports checked, the plan
     assert by["attention"]["results"]["dry_run"] and by["attention"]["results"]["batch"] == [32, 64]
+    draft = by["draft_step"]["results"]  # its plan: both shapes at batch 32 and 64 x 8k, int8 and int4
+    assert by["draft_step"]["ok"] and draft["dry_run"] and draft["context"] == 8192, by["draft_step"]
+    assert [(c["shape"], c["batch"]) for c in draft["cells"]] == [
+        (s, b) for s in ("smollm2", "llama3-8b-4l") for b in (32, 64)]
+    assert all(0 < c["draft_kv_bytes"]["int4"] < c["draft_kv_bytes"]["int8"] < c["full_kv_bytes"] for c in draft["cells"])
     vllm = by["vllm"]["results"]["configs"]
     assert by["vllm"]["ok"] and list(vllm) == ["plain", "connector", "proposer"]
     assert vllm["plain"]["jobs"] == ["cold_32", "decode_32", "cold_64", "decode_64"]
@@ -87,7 +93,8 @@ def test_without_torch_as_after_a_failed_install_every_stage_still_gives_its_lin
 
 
 def test_a_small_budget_skips_the_stages_it_cannot_fit(tmp_path):
-    # 100 s: the later stages' nominal seconds (tests 60 + vllm 90 + engine 85, ...) leave facts and pcie under 10 s
+    # 100 s: the later stages' nominal seconds (tests 60 + draft_step 40 + vllm 90 + engine 85, ...) leave facts
+    # and pcie under 10 s
     _, lines = check(tmp_path, GPU_CHECK_BUDGET_S="100")
     by = {ln["stage"]: ln for ln in lines}
     assert [ln["stage"] for ln in lines] == STAGES
@@ -115,3 +122,20 @@ def test_wrap_passes_on_the_stage_line_a_stage_script_emitted(tmp_path):
     code = env_out + "import sys; sys.path.insert(0, %r); from common import run_stage; run_stage('s', lambda: {'a': 1})"
     line, _ = wrap(tmp_path, 30, sys.executable, "-c", code % str(GPU))
     assert line["ok"] is True and line["results"] == {"a": 1}
+
+
+def test_draft_step_cpu_smoke_runs_the_engine_draft_and_full_steps_end_to_end(tmp_path):
+    """``draft_step.py --cpu-smoke``: the stage's whole path (random model, full caches, draft caches over
+    chunks in an arena, the runtime's batched forward through the Triton kernels, here interpreted) at
+    tiny sizes; the draft logits match the full step's (same KV, int8 / int4 rounding)."""
+    pytest.importorskip("triton")
+    proc = subprocess.run([sys.executable, str(GPU / "draft_step.py"), "--cpu-smoke"], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OUT": str(tmp_path), "TRITON_INTERPRET": "1",
+                                            "PYTHONPATH": str(ROOT)})
+    [line] = [json.loads(ln) for ln in proc.stdout.splitlines()]
+    assert line["stage"] == "draft_step" and line["ok"], line.get("error", "") + proc.stderr[-2000:]
+    [cell] = line["results"]["cells"]
+    assert cell["full_ms"] > 0 and set(cell["formats"]) == {"int8", "int4"}
+    for fmt in cell["formats"].values():
+        assert fmt["draft_ms"] > 0 and fmt["cosine"] > 0.99 and fmt["draft_bytes"] < cell["full_bytes"]
+    assert "int4: draft step" in proc.stderr  # its progress lines
