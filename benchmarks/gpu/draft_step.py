@@ -202,7 +202,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         nonlocal longest
         left = deadline - time.monotonic()
         if left < max(FIRST_PART_S if not longest else 0, 1.5 * longest):
-            cell[key] = {"skipped": f"budget: {left:.0f} s left, a part took up to {longest:.0f} s"}
+            took = f"a part took up to {longest:.0f} s" if longest else f"the first part needs {FIRST_PART_S} s"
+            cell[key] = {"skipped": f"budget: {left:.0f} s left, {took}"}
             say(t0, f"{what}: skipped ({cell[key]['skipped']})")
             return None
         t = time.monotonic()
