@@ -208,14 +208,17 @@ class ChunkPrefix:
         return ChunkPrefix(self.arena, self.slots)
 
 
-def attend(q: Tensor, prefixes: Sequence[ChunkPrefix | None], layer: int, scale: float) -> tuple[Tensor, Tensor]:
+def attend(q: Tensor, prefixes: Sequence[ChunkPrefix | None], layer: int, scale: float,
+           suffix: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """Attention of query rows ``q [B, Hkv, M, D]`` over each request's prefix (``None``: none),
-    all of one arena: ``(out [B, Hkv, M, D] float32, lse [B, Hkv, M])``, lse ``-inf`` without a prefix."""
+    all of one arena: ``(out [B, Hkv, M, D] float32, lse [B, Hkv, M])``, lse ``-inf`` without a prefix;
+    with ``suffix`` (``(out, lse)`` of the same rows over the exact entries), attention over both,
+    merged in the kernels' reduce launch."""
     arena = next(p.arena for p in prefixes if p is not None)
     if any(p is not None and p.arena is not arena for p in prefixes):
         raise ValueError("prefixes of one attention call must share one arena")
     table, lengths = arena.table(prefixes)
-    return triton_attention.attention(q, arena.pools[layer], table, lengths, scale, check=False)
+    return triton_attention.attention(q, arena.pools[layer], table, lengths, scale, check=False, suffix=suffix)
 
 
 def attention(jobs: list[tuple[Tensor, ChunkPrefix, int]], scale: float) -> list[tuple[Tensor, Tensor]]:
@@ -240,7 +243,8 @@ def warm_up(arena: ChunkArena, max_chunks: int, rows: Sequence[int] = (1, 32, 64
     here (the proposer's ``load_model``) rather than inside a vLLM step: one per split count
     :func:`~.triton_attention.default_splits` may choose (powers of 2 up to ``max_chunks``, the
     widest table) and per row block (``rows``: a draft step's GQA group, and the load drafter's
-    longer blocks). Returns the variants launched."""
+    longer blocks), each with and without a suffix (the reduce kernel's variants: the batched
+    runtime merges the exact suffix there). Returns the decode kernel's variants launched."""
     fmt, dev = arena.fmt, arena.device
     pool = ChunkPool.empty(fmt, 1, dev)
     splits = [1 << i for i in range(max(1, max_chunks).bit_length())]
@@ -249,5 +253,6 @@ def warm_up(arena: ChunkArena, max_chunks: int, rows: Sequence[int] = (1, 32, 64
         q = torch.zeros(1, fmt.heads, m, fmt.head_dim, dtype=fmt.dtype, device=dev)
         for s in splits:
             table = torch.zeros(1, s, dtype=torch.int32, device=dev)
-            triton_attention.attention(q, pool, table, lengths, 1.0, splits=s, check=False)
+            for suffix in (None, (q.float(), torch.zeros(q.shape[:3], device=dev))):
+                triton_attention.attention(q, pool, table, lengths, 1.0, splits=s, check=False, suffix=suffix)
     return len(rows) * len(splits)

@@ -5,13 +5,12 @@ as its chunks are stored (codes, scales, zeros, residual: :mod:`..compressors.fo
 :class:`ChunkPool` addressed by a chunk table (like vLLM's block table, one entry per chunk), and
 dequantize in registers: int8, int4, KIVI (2/4 bit, with its dense residual) and TurboQuant (2-4
 bit). They return out and the log-sum-exp, which the caller merges with the exact suffix as
-``runtime._merge`` does, or pass that suffix's out and log-sum-exp in (``suffix``) to have it merged
-in the same launch that merges the splits (:func:`merge`). TurboQuant's rotation is applied outside the kernel, once per call: q is
+``runtime._merge`` does, or passes in (``suffix``) to have it merged in the launch that merges the
+splits (:func:`merge`). TurboQuant's rotation is applied outside the kernel, once per call: q is
 rotated by the key rotation before (``q @ R_k^T``) and the output by the value rotation after, so the
 kernel reads only codebook entries times norms.
 
-A decode step is bound by the bytes it reads (an H200 ran the first kernels at about a third of
-that bound), so: a side whose scale is one per token (:func:`folds`: int8, TurboQuant, int4 with
+The first kernels ran at about a third of that bound on an H200, so: a side whose scale is one per token (:func:`folds`: int8, TurboQuant, int4 with
 one group per head) is never dequantized, its scale applied to scores and probabilities instead;
 a request's splits divide its own tiles (a short request's splits do not idle while a long one's
 run serially); and one reduce kernel merges the splits' partials (and the suffix) rather than five
@@ -221,9 +220,10 @@ def merge(out: Tensor, lse: Tensor, suffix: tuple[Tensor, Tensor] | None = None)
         o2, l2 = out, lse  # never read
     res = torch.empty(out.shape[1:], dtype=torch.float32, device=out.device)
     res_lse = torch.empty(lse.shape[1:], dtype=torch.float32, device=out.device)
-    block = max(1, min(16, 1024 // d))
-    triton_kernels.merge_splits[(-(-rows // block),)](out, lse.contiguous(), o2, l2, res, res_lse, rows, D=d,
-                                                       SPLITS=out.shape[0], SUFFIX=suffix is not None, BLOCK_R=block)
+    block = max(1, min(16, 1024 // d))  # rows per program: [BLOCK_R, D] fp32 partials in registers
+    if rows:
+        triton_kernels.merge_splits[(-(-rows // block),)](out, lse.contiguous(), o2, l2, res, res_lse, rows, D=d,
+                                                           SPLITS=out.shape[0], SUFFIX=suffix is not None, BLOCK_R=block)
     return res, res_lse
 
 
@@ -236,9 +236,9 @@ def attention(q: Tensor, pool: ChunkPool, table: Tensor, lengths: Tensor, scale:
     Returns ``(out [B, H, M, D] float32, lse [B, H, M] float32)``, natural log; a request with
     no prefix gets zeros and ``-inf``. ``tile``: tokens per step (a power of 2 >= 16; a chunk of
     ``T`` tokens takes ``ceil(T / tile)`` steps, so a tile dividing ``T`` wastes none). ``splits`` > 1
-    divides each request's tiles over that many programs (for batches too small to fill the GPU),
-    merged here by log-sum-exp; ``None``: :func:`default_splits`. ``num_warps`` (2, 4, 8) and
-    ``num_stages`` (1-4: tiles in flight, Triton's software pipelining) are launch options;
+    divides each request's own tiles over that many programs (for batches too small to fill the
+    GPU), merged in one reduce launch (:func:`merge`); ``None``: :func:`default_splits`.
+    ``num_warps`` (2, 4, 8) and ``num_stages`` (1-4: tiles in flight, Triton's software pipelining) are launch options;
     ``num_stages=None``: 2, or 1 for a codebook format (its per-element table loads ran about twice
     as fast unpipelined on an H200, while int4/int8 ran faster with 2).
     ``check`` validates the table against the pool (a host sync; pass False on a hot path whose
