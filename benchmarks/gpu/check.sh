@@ -37,7 +37,7 @@ if [[ -z $OFFLINE && $DRY != 1 ]]; then
     && OFFLINE=0 || OFFLINE=1
 fi
 if [[ $DRY == 1 ]]; then PY=${GPU_CHECK_PYTHON:-python3}; FLAG=--dry-run
-elif [[ $OFFLINE == 1 ]]; then PY=$SYS_PY; FLAG=; NOMINAL=(20 10 20 60 60 120 0 160); BUDGET=470  # 450 + slack
+elif [[ $OFFLINE == 1 ]]; then PY=$SYS_PY; FLAG=; NOMINAL=(20 10 20 60 100 120 0 120); BUDGET=470  # 450 + slack
 else PY=$VENV/bin/python; FLAG=; fi
 BUDGET=${GPU_CHECK_BUDGET_S:-$BUDGET}
 START=$SECONDS
