@@ -295,8 +295,13 @@ class PagedTransfer:
         return errors
 
     def close(self) -> None:
+        """Flush, stop the writer and the loader. Never blocks for good: a writer stuck in a store
+        (a dead server) with a full queue is left behind, a daemon thread, after a warning."""
         self.flush()
-        self._saves.put(None)
+        try:
+            self._saves.put(None, timeout=10)
+        except queue.Full:
+            logger.warning("vericache connector: the save writer did not take its stop in 10 s (a store stuck in a put); closing without it")
         self._writer.join(10)
         self._loader.shutdown(wait=True, cancel_futures=True)
 

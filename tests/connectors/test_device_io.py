@@ -154,14 +154,15 @@ def test_a_failed_copy_frees_its_slab_only_after_what_was_enqueued_before_the_er
     assert io.pool.acquire(0) is not None
 
 
-def test_a_save_dropped_on_a_full_queue_does_not_wait_on_vllms_thread():
+def test_a_save_dropped_on_a_full_queue_does_not_wait_on_vllms_thread(monkeypatch):
     # The writer is stuck in a slow put and the queue holds one save: the next is dropped. Its slab
     # comes back after its copy's event, without a synchronize on the calling (vLLM's) thread.
-    import queue
     import threading
 
+    from lmcache_vericache.connectors import paged_transfer
+
+    monkeypatch.setattr(paged_transfer, "SAVE_QUEUE", 1)  # before the writer starts on its queue
     store, caches, fake, t = rig(slabs=4)
-    t._saves = queue.Queue(1)
     stuck = threading.Event()
     put = store.put
     store.put = lambda *a, **kw: (stuck.wait(10), put(*a, **kw))[1]  # noqa: E731
