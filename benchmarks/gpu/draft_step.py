@@ -34,6 +34,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+from attention import FORMATS  # the kernel formats by name, one list for both stages
 from common import ROOT, StageError, run_stage, step_ms, tail
 from engine_cuda import SMOLLM2_SHAPE
 
@@ -50,8 +51,6 @@ SHAPES: dict[str, dict[str, Any]] = {
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16),
 }
 NOTES = {"llama3-8b-4l": "Llama-3-8B's layer shape, 4 of its 32 layers, vocab 32768 (not 128256)"}
-FORMATS = {"int8": ("int8", {}), "int4": ("int4", {}), "kivi2": ("kivi", {"bits": 2}),
-           "turboquant4": ("turboquant", {"bits": 4}), "turboquant3": ("turboquant", {"bits": 3})}
 SMOKE = dict(device="cpu", dtype="float32", shapes="tiny", batches="2", context=64, chunk=32, exact=4, reps=2)
 FIRST_PART_S = 15  # seconds a part (a model, a full step or one format's draft) needs before any has run
 

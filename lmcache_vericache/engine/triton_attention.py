@@ -10,11 +10,11 @@ splits (:func:`merge`). TurboQuant's rotation is applied outside the kernel, onc
 rotated by the key rotation before (``q @ R_k^T``) and the output by the value rotation after, so the
 kernel reads only codebook entries times norms.
 
-The first kernels ran at about a third of that bound on an H200, so: a side whose scale is one per token (:func:`folds`: int8, TurboQuant, int4 with
+A draft step is bound by the bytes it reads (the first kernels ran at about a third of that bound
+on an H200), so: a side whose scale is one per token (:func:`folds`: int8, TurboQuant, int4 with
 one group per head) is never dequantized, its scale applied to scores and probabilities instead;
 a request's splits divide its own tiles (a short request's splits do not idle while a long one's
-run serially); and one reduce kernel merges the splits' partials (and the suffix) rather than five
-PyTorch ops.
+run serially); and one reduce kernel merges the splits' partials (and the suffix).
 
 Triton is imported on first use, so the package imports without it; on a CPU the kernels run under
 ``TRITON_INTERPRET=1`` (tests; fp32 and fp16: Triton 3.9's interpreter mishandles bf16)."""
